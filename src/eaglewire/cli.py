@@ -1,0 +1,69 @@
+"""The `eaglewire` command line. Each subcommand lives in its own module, listed in COMMANDS.
+
+A command module exposes `register(subparsers)`, which adds its parser and sets `func` to a
+callable taking the parsed args and returning an exit code. User mistakes raise EaglewireError
+and are printed here as one line, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from . import __version__
+from .errors import EaglewireError
+
+# name -> module; the CLI's choices derive from this table.
+COMMANDS: dict[str, str] = {
+    "prepare": "eaglewire.commands",
+    "taps": "eaglewire.commands",
+    "datagen": "eaglewire.datagen",
+    "train": "eaglewire.train",
+    "generate": "eaglewire.generate",
+    "bench": "eaglewire.bench",
+    "export": "eaglewire.interop.cli",
+    "import": "eaglewire.interop.cli",
+    "doctor": "eaglewire.doctor",
+    "demo": "eaglewire.demo",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eaglewire", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"eaglewire {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    seen = set()
+    for module in dict.fromkeys(COMMANDS.values()):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if not module.startswith(e.name or "?"):
+                raise
+            continue  # command not built yet
+        if module not in seen:
+            mod.register(sub)
+            seen.add(module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except EaglewireError as e:
+        print(f"eaglewire {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"eaglewire {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""`eaglewire prepare` and `eaglewire taps`: the target side's small commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import targets
+from .taps import CONVENTIONS, TapContract, sglang_convention
+from .errors import TapError
+
+
+def add_target_arg(p, required: bool = True):
+    p.add_argument("--target", required=required, default=None if required else targets.DEFAULT_TARGET,
+                   help=f"registry name ({', '.join(targets.REGISTRY)}), HF model directory or .gguf file")
+
+
+def _target_config(spec: str):
+    """The target's config without loading its weights."""
+    from transformers import AutoConfig
+
+    path = targets.resolve(spec)
+    if path.suffix == ".gguf":
+        return targets.text_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+    return targets.text_config(AutoConfig.from_pretrained(path))
+
+
+def cmd_prepare(args) -> int:
+    for name in args.names:
+        path = targets.prepare(name)
+        print(f"{name}: {path}")
+    return 0
+
+
+def engine_table(contract: TapContract, model_type: str) -> list[dict]:
+    """Each engine's ids and config key for a contract; unsupported ones say why."""
+    rows = []
+    names = ["hf", "vllm", "vllm-legacy", "speculators", sglang_convention(model_type),
+             "specforge", "eagle"]
+    if sglang_convention(model_type) == "sglang-deepseek":
+        names.insert(5, "sglang-deepseek-legacy")
+    for name in names:
+        conv = CONVENTIONS[name]
+        try:
+            ids = conv.to_ids(contract.taps, contract.num_layers)
+        except TapError as e:
+            ids = None
+            why = str(e)
+        rows.append({"convention": name, "ids": ids, "where": conv.where, "meaning": conv.meaning,
+                     "unsupported": None if ids is not None else why})
+    return rows
+
+
+def cmd_taps(args) -> int:
+    cfg = _target_config(args.target)
+    n = cfg.num_hidden_layers
+    contract = TapContract.parse(n, args.taps)
+    rows = engine_table(contract, cfg.model_type)
+    if args.json:
+        print(json.dumps({"target": args.target, "model_type": cfg.model_type, "num_layers": n,
+                          "hidden_size": cfg.hidden_size, "default_taps": list(TapContract.default(n).taps),
+                          "contract": contract.to_dict(), "engines": rows}, indent=2))
+        return 0
+    print(f"target      {args.target} ({cfg.model_type}, {n} layers, hidden {cfg.hidden_size})")
+    print(f"tap k       residual stream entering decoder layer k (0 = embedding, {n} = last layer before final norm)")
+    print(f"default     {list(TapContract.default(n).taps)} (EAGLE-3: 2, N//2, N-3)")
+    print(f"taps        {list(contract.taps)}  -> fc input width {len(contract.taps)} x {cfg.hidden_size} = "
+          f"{len(contract.taps) * cfg.hidden_size}")
+    print()
+    w = max(len(r["convention"]) for r in rows)
+    for r in rows:
+        ids = str(r["ids"]) if r["ids"] is not None else "UNSUPPORTED"
+        print(f"{r['convention']:<{w}}  {ids:<16} {r['where']}")
+        if r["unsupported"]:
+            print(f"{'':<{w}}  {r['unsupported']}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("prepare", help="install a registry target into the cache ($EAGLEWIRE_HOME)")
+    p.add_argument("names", nargs="*", default=[targets.DEFAULT_TARGET], metavar="NAME",
+                   help=f"registry targets (default {targets.DEFAULT_TARGET})")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("taps", help="print a target's layer count, default taps and each engine's ids for them")
+    add_target_arg(p)
+    p.add_argument("--taps", default=None, help="canonical taps, comma-separated (default: 2,N//2,N-3)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_taps)
