@@ -20,8 +20,8 @@ from .errors import TapError
 
 def default_taps(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's default taps {2, N//2, N-3} (SafeAILab/EAGLE, SpecForge, vLLM and SGLang agree)."""
-    if num_layers < 6:
-        raise TapError(f"the default taps (2, N//2, N-3) need at least 6 layers; this target has {num_layers}: "
+    if num_layers < 7:  # below 7 layers, 2, N//2 and N-3 collide
+        raise TapError(f"the default taps (2, N//2, N-3) need at least 7 layers; this target has {num_layers}: "
                        "pass --taps explicitly")
     return (2, num_layers // 2, num_layers - 3)
 

@@ -1,0 +1,119 @@
+"""The tap contract and its translations, one test per convention rule, naming the source."""
+
+import json
+
+import pytest
+
+from eaglewire.errors import TapError
+from eaglewire.taps import (CONVENTIONS, TapContract, default_taps, sglang_convention, sglang_default_taps)
+
+KIMI_LAYERS = 61  # Kimi-K2.5 / DeepSeek-V3: 61 decoder layers
+
+
+def test_default_taps_are_eagle3s():
+    # SafeAILab/EAGLE modeling_llama_kv.py and SpecForge: [2, N//2, N-3]
+    assert default_taps(30) == (2, 15, 27)
+    assert default_taps(61) == (2, 30, 58)
+    with pytest.raises(TapError, match="at least 7 layers"):
+        default_taps(6)
+
+
+@pytest.mark.parametrize("bad, msg", [((), "at least one tap"), ((3, 2), "increasing"), ((2, 2), "distinct"),
+                                      ((31,), "out of range"), ((-1,), "out of range")])
+def test_contract_rejects_bad_taps(bad, msg):
+    with pytest.raises(TapError, match=msg):
+        TapContract(30, bad)
+
+
+def test_parse_from_cli():
+    assert TapContract.parse(30, "3, 15,27").taps == (3, 15, 27)
+    assert TapContract.parse(30, None).taps == (2, 15, 27)
+    with pytest.raises(TapError, match="comma-separated integers"):
+        TapContract.parse(30, "2;15")
+
+
+@pytest.mark.parametrize("name", sorted(CONVENTIONS))
+def test_every_convention_round_trips_exactly(name):
+    conv = CONVENTIONS[name]
+    for taps in [(2, 15, 27), (3, 15, 29), (5,), (2, 3, 4, 20)]:
+        assert conv.from_ids(conv.to_ids(taps, 30), 30) == taps
+
+
+def test_vllm_uses_ids_as_taps():
+    # vllm/model_executor/models/llama.py: aux state = hidden_states + residual BEFORE layer j
+    assert CONVENTIONS["vllm"].to_ids((2, 15, 27), 30) == [2, 15, 27]
+    assert CONVENTIONS["vllm"].to_ids((0, 30), 30) == [0, 30]  # EagleModelMixin, vLLM PR #36063
+    with pytest.raises(TapError, match="upgrade vLLM"):
+        CONVENTIONS["vllm-legacy"].to_ids((0, 15), 30)
+
+
+def test_sglang_llama_adds_one():
+    # sglang/srt/models/llama.py set_eagle3_layers_to_capture: [val + 1 for val in layer_ids]
+    assert CONVENTIONS["sglang"].to_ids((2, 15, 27), 30) == [1, 14, 26]
+    assert CONVENTIONS["sglang"].from_ids([2, 15, 27], 30) == (3, 16, 28)
+
+
+def test_same_tensor_has_vllm_id_one_larger_than_sglang_id():
+    for tap in range(1, 30):
+        assert CONVENTIONS["vllm"].to_ids((tap,), 30)[0] == CONVENTIONS["sglang"].to_ids((tap,), 30)[0] + 1
+
+
+def test_sglang_cannot_capture_the_embedding_or_the_last_layer():
+    # sglang llama.py: residual is None at layer 0 (crash); the loop never reaches layer N
+    with pytest.raises(TapError, match="embedding .*residual is None"):
+        CONVENTIONS["sglang"].to_ids((0, 15, 27), 30)
+    with pytest.raises(TapError, match="cannot express taps \\[30\\]"):
+        CONVENTIONS["sglang"].to_ids((2, 15, 30), 30)
+
+
+def test_sglang_default_branch_differs_from_explicit_branch():
+    # sglang #23569: absent ids -> [2, N//2, N-3] used WITHOUT +1; writing them explicitly shifts by one
+    assert sglang_default_taps(30) == (2, 15, 27)
+    assert CONVENTIONS["sglang"].from_ids([2, 15, 27], 30) == (3, 16, 28)
+
+
+def test_seed_incident_kimi_deepseek_first_id_heuristic():
+    """Training captured taps [3, 31, 59]; SGLang ids [2, 30, 58] were right before PR #25454, wrong after."""
+    taps = (3, 31, 59)
+    legacy, heuristic = CONVENTIONS["sglang-deepseek-legacy"], CONVENTIONS["sglang-deepseek"]
+    assert legacy.to_ids(taps, KIMI_LAYERS) == [2, 30, 58]
+    assert heuristic.from_ids([2, 30, 58], KIMI_LAYERS) == (2, 30, 58)  # shifted: the incident
+    assert heuristic.to_ids(taps, KIMI_LAYERS) == [3, 31, 59]
+    # sglang/srt/models/deepseek_v2.py (#25454): +1 only when the first id is 1
+    assert heuristic.from_ids([1, 30, 58], KIMI_LAYERS) == (2, 31, 59)
+    with pytest.raises(TapError, match="starting at tap 1"):
+        heuristic.to_ids((1, 30, 58), KIMI_LAYERS)
+
+
+def test_sglang_convention_depends_on_family():
+    assert sglang_convention("llama") == "sglang"
+    assert sglang_convention("qwen3") == "sglang"
+    assert sglang_convention("deepseek_v3") == "sglang-deepseek"
+    assert sglang_convention("kimi_k2", legacy=True) == "sglang-deepseek-legacy"
+
+
+def test_specforge_and_modelopt_count_layer_outputs():
+    # SpecForge / ModelOpt: "0-based output of layer j" = tap j+1; default [1, N//2-1, N-4]
+    assert CONVENTIONS["specforge"].to_ids((2, 15, 27), 30) == [1, 14, 26]
+    assert CONVENTIONS["specforge"].to_ids((30,), 30) == [29]
+    with pytest.raises(TapError, match="no layer's output"):
+        CONVENTIONS["specforge"].to_ids((0,), 30)
+
+
+def test_hf_index_has_no_pre_norm_last_state():
+    # transformers modeling_llama.py: hidden_states[N] is after the final norm
+    assert CONVENTIONS["hf"].to_ids((0, 2, 29), 30) == [0, 2, 29]
+    with pytest.raises(TapError, match="after the final norm"):
+        CONVENTIONS["hf"].to_ids((30,), 30)
+
+
+def test_contract_serialises_with_every_engines_words():
+    c = TapContract(30, (2, 15, 27))
+    d = json.loads(json.dumps(c.to_dict()))
+    assert d["in_conventions"]["sglang"] == [1, 14, 26]
+    assert d["in_conventions"]["vllm"] == [2, 15, 27]
+    assert TapContract.from_dict(d) == c
+    e = TapContract(30, (0, 15, 30)).to_dict()
+    assert e["in_conventions"]["sglang"].startswith("unsupported")
+    with pytest.raises(TapError, match="missing field"):
+        TapContract.from_dict({"taps": [1]})
