@@ -7,7 +7,7 @@ from pathlib import Path
 
 from . import targets
 from .taps import CONVENTIONS, TapContract, sglang_convention
-from .errors import TapError
+from .errors import TapError, UsageError
 
 
 def add_target_arg(p, required: bool = True):
@@ -26,8 +26,10 @@ def _target_config(spec: str):
 
 
 def cmd_prepare(args) -> int:
+    if args.gguf and len(args.names) != 1:
+        raise UsageError("--gguf installs one target: name exactly one")
     for name in args.names:
-        path = targets.prepare(name)
+        path = targets.prepare(name, Path(args.gguf) if args.gguf else None)
         print(f"{name}: {path}")
     return 0
 
@@ -80,6 +82,7 @@ def register(sub) -> None:
     p = sub.add_parser("prepare", help="install a registry target into the cache ($EAGLEWIRE_HOME)")
     p.add_argument("names", nargs="*", default=[targets.DEFAULT_TARGET], metavar="NAME",
                    help=f"registry targets (default {targets.DEFAULT_TARGET})")
+    p.add_argument("--gguf", default=None, help="install from a local copy of the published GGUF (md5-checked)")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("taps", help="print a target's layer count, default taps and each engine's ids for them")

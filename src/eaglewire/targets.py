@@ -58,8 +58,12 @@ def _md5(path: Path) -> str:
     return h.hexdigest()
 
 
-def _find_gguf(t: EmbeddedTarget, workdir: Path) -> Path:
-    """The target's GGUF: from the installed package if present, else downloaded from the registry."""
+def _find_gguf(t: EmbeddedTarget, workdir: Path, local: Path | None = None) -> Path:
+    """The target's GGUF: a given file, the installed package, else a download from the registry."""
+    if local is not None:
+        if not local.is_file():
+            raise UsageError(f"--gguf {local}: no such file")
+        return local
     spec = importlib.util.find_spec(t.module)  # never import it: it pulls llama_cpp
     if spec is not None and spec.origin:
         p = Path(spec.origin).parent / Path(t.member).name
@@ -78,8 +82,11 @@ def _find_gguf(t: EmbeddedTarget, workdir: Path) -> Path:
     return out
 
 
-def prepare(name: str) -> Path:
-    """Install a registry target into the cache (once) and return its directory."""
+def prepare(name: str, gguf: Path | None = None) -> Path:
+    """Install a registry target into the cache (once) and return its directory.
+
+    `gguf` installs it from a local copy of the published file (machines without a registry).
+    """
     if name not in REGISTRY:
         raise UsageError(f"unknown target {name!r}: registry targets are {sorted(REGISTRY)}")
     t = REGISTRY[name]
@@ -89,7 +96,7 @@ def prepare(name: str) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
         tmp = Path(tmp)
-        gguf = _find_gguf(t, tmp)
+        gguf = _find_gguf(t, tmp, gguf)
         if gguf.stat().st_size != t.size or _md5(gguf) != t.md5:
             raise EaglewireError(f"{gguf}: size or md5 differs from the published {t.package} file; "
                                  "reinstall the package")
