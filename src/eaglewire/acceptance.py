@@ -1,0 +1,186 @@
+"""Verification math for speculative decoding, chain and tree, greedy and lossless sampling.
+
+No model calls, batch size 1. Index convention shared by every function (it is the order of the
+one target forward over [root] + draft tokens):
+
+    target row 0       = the target's output at the ROOT (the last committed token): the
+                         distribution of the first draft token / of the children of the root;
+    target row 1 + i   = the target's output at draft token / tree node i: the distribution of
+                         the token that follows it (for the last chain token: the bonus token).
+
+Every function returns the accepted draft tokens and ONE more token (the correction or the bonus),
+so a round always commits n_accepted + 1 tokens.
+
+Two proposal kinds need two different rules to be lossless (the emitted tokens have exactly the
+target's sampling distribution):
+
+- SAMPLED draft tokens (token i drawn from the draft distribution q_i): accept with probability
+  min(1, p(x)/q(x)); on rejection sample from norm(max(p - q, 0)) (Leviathan et al. 2023; the
+  step in gpt-fast generate.py `speculative_decode`). Only for chains: `verify_chain_sampling`
+  with `draft_probs`.
+- DETERMINISTIC candidates (argmax or top-k of the draft, as EAGLE-2 trees and greedy chains
+  choose them): a point-mass proposal, so the rule above becomes "try the candidates in order,
+  accept c with the residual target probability r(c), else set r(c) = 0, renormalise, try the
+  next; if none is accepted sample from the residual". That sequence picks candidate c with
+  probability exactly p(c) and any other token x with probability p(x), i.e. it equals: draw
+  x ~ p at the node; if x is one of its candidates descend into it, else emit x. The code uses
+  that form (one multinomial over all rows, then a walk), which is lossless by construction and
+  accepts as often as any lossless rule can (a candidate can never be accepted with probability
+  above p(c)). Using the draft's q(c) in the ratio instead (SafeAILab/EAGLE
+  eagle/model/utils.py `evaluate_posterior` with top-k candidates) is NOT lossless: see the
+  negative controls in tests/test_acceptance.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UsageError
+from .tree import DraftTree
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How the target's next token is chosen: temperature 0 = greedy; top_k 0 = off; top_p 1 = off.
+
+    Applied in the order of transformers' `generate`: temperature, then top-k, then top-p.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UsageError(f"sampling: temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"sampling: top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise UsageError(f"sampling: top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p.
+
+    Greedy params give the one-hot of the argmax, so the sampling verifiers reduce to greedy ones.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if params.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above
+        drop = mass_before >= params.top_p  # keeps the smallest prefix reaching top_p, at least one token
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    return logits.softmax(-1)
+
+
+def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Greedy chain verification.
+
+    draft_tokens (K,) int64; target_logits (K+1, V), row convention in the module docstring.
+    Returns (n_accepted, next_token): the longest prefix of draft_tokens equal to the target's
+    argmax, and the target's argmax after it (the correction, or the bonus if all K match).
+    """
+    k = draft_tokens.shape[0]
+    _check_rows(target_logits, k + 1, "target_logits")
+    best = target_logits.argmax(-1)  # (K+1,)
+    return _first_mismatch(draft_tokens, best)
+
+
+def verify_chain_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                          generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Lossless chain verification.
+
+    draft_tokens (K,) int64; target_probs (K+1, V) from `logits_to_probs`, rows as in the module
+    docstring. draft_probs (K, V): the distribution token i was SAMPLED from (target vocabulary);
+    None when the draft tokens were chosen deterministically (e.g. the draft's argmax).
+    Returns (n_accepted, next_token); the emitted tokens are distributed exactly as the target's.
+    """
+    k = draft_tokens.shape[0]
+    _check_rows(target_probs, k + 1, "target_probs")
+    if draft_probs is None:  # point-mass proposals: sample the target at every row, accept while equal
+        return _first_mismatch(draft_tokens, _sample_rows(target_probs, generator))
+    _check_rows(draft_probs, k, "draft_probs")
+    idx = draft_tokens.long()[:, None]
+    p = target_probs[:k].gather(1, idx).squeeze(1)  # (K,)
+    q = draft_probs.gather(1, idx).squeeze(1)  # (K,)
+    u = torch.rand(k, generator=generator, device=target_probs.device)
+    accept = u * q < p  # P = min(1, p/q); never accepts a token the target cannot emit (p = 0)
+    n = int(accept.long().cumprod(0).sum()) if k else 0
+    if n == k:
+        return n, int(_sample_rows(target_probs[k:], generator)[0])
+    residual = (target_probs[n] - draft_probs[n]).clamp(min=0)
+    if not bool(residual.sum() > 0):  # p == q up to rounding: a rejection has probability 0
+        residual = target_probs[n]
+    return n, int(_sample_rows(residual[None], generator)[0])
+
+
+def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy tree verification.
+
+    target_logits (n+1, V): row 0 at the root, row 1 + i at node i (tree_attention's order).
+    Returns (path, next_token): path = accepted node indices from depth 1 down (the longest
+    root-to-node path whose tokens all equal the target's argmax), next_token = the target's
+    argmax after the last accepted node (after the root if path is empty).
+    """
+    _check_rows(target_logits, tree.num_nodes + 1, "target_logits")
+    return _walk(tree, target_logits.argmax(-1))
+
+
+def verify_tree_sampling(tree: DraftTree, target_probs: torch.Tensor,
+                         generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Lossless tree verification for DETERMINISTIC candidates (EAGLE-2 top-k trees, see above).
+
+    target_probs (n+1, V) from `logits_to_probs`, rows as in verify_tree_greedy. At each node on
+    the way down, draw x from its target row; descend into the child whose token is x, else stop
+    and emit x. Returns (path, next_token) like verify_tree_greedy.
+    """
+    _check_rows(target_probs, tree.num_nodes + 1, "target_probs")
+    return _walk(tree, _sample_rows(target_probs, generator))
+
+
+def _check_rows(t: torch.Tensor, rows: int, name: str) -> None:
+    if t.dim() != 2 or t.shape[0] != rows:
+        raise ValueError(f"{name} must be ({rows}, V) (one row per input position), got {tuple(t.shape)}")
+
+
+def _sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(R, V) probabilities -> (R,) one independent sample per row."""
+    return torch.multinomial(probs.float(), 1, generator=generator).squeeze(1)
+
+
+def _first_mismatch(draft_tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[int, int]:
+    """Accept while draft_tokens[i] == chosen[i]; return (n, chosen[n]). chosen is (K+1,)."""
+    chosen = chosen.tolist()
+    n = 0
+    for d in draft_tokens.tolist():
+        if d != chosen[n]:
+            break
+        n += 1
+    return n, chosen[n]
+
+
+def _walk(tree: DraftTree, chosen: torch.Tensor) -> tuple[list[int], int]:
+    """Descend from the root while some child's token equals chosen[row]; chosen is (n+1,)."""
+    chosen = chosen.tolist()
+    children: dict[tuple[int, int], int] = {}  # (parent row, token) -> first such child
+    for i, (par, tok) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        children.setdefault((par + 1, tok), i)
+    path, row = [], 0
+    while (child := children.get((row, chosen[row]))) is not None:
+        path.append(child)
+        row = child + 1
+    return path, chosen[row]

@@ -1,0 +1,205 @@
+"""EAGLE-2 dynamic draft trees: expansion, pruning, tree attention masks and positions.
+
+Pure tensor code, no model calls. Vocabulary of one round of tree decoding:
+
+- the ROOT is the last committed token (the token the target has not processed yet). It is not a
+  node; node parent -1 means "child of the root".
+- nodes 0..n-1 hold draft tokens (target-vocabulary ids). Every function here keeps nodes in
+  topological order (parent index < child index); `prune` returns them in depth (BFS) order.
+- depth(node) = 1 for children of the root; a node at depth d sits d positions after the root.
+- score(node) = cumulative draft log-prob of the path root -> node (<= 0, non-increasing along a
+  path), the EAGLE-2 ranking key.
+
+The EAGLE-2 draft loop (SafeAILab/EAGLE eagle/model/cnets.py `topK_genrate`), with these helpers:
+
+    tree, frontier = expand(DraftTree.empty(), root_frontier(), top-k at the root, topk)
+    repeat depth - 1 times:  # draft one forward over tree.tokens[frontier], mask from frontier_attention
+        tree, frontier = expand(tree, frontier, top-k of each frontier node, topk)
+    tree = prune(tree, budget)  # then ONE target forward over [root] + tree.tokens, tree_attention()
+
+A chain of K draft tokens is the tree `DraftTree.chain(tokens)` (each node the only child of the
+previous one); every function here treats it as any other tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROOT = -1  # parent id of the children of the root, and the frontier id of the root itself
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A draft tree for one verification round (see the module docstring for the conventions)."""
+
+    tokens: torch.Tensor  # (n,) int64, target-vocabulary ids
+    parents: torch.Tensor  # (n,) int64, parent node index or ROOT
+    depth: torch.Tensor  # (n,) int64, 1 for children of the root
+    scores: torch.Tensor  # (n,) float32, cumulative draft log-prob root -> node
+
+    def __post_init__(self):
+        # shape and dtype only: free on any device; the topology check (a device sync) is validate()
+        n = self.tokens.shape
+        for name in ("tokens", "parents", "depth", "scores"):
+            t = getattr(self, name)
+            if t.dim() != 1 or t.shape != n:
+                raise ValueError(f"DraftTree.{name} must have shape {tuple(n)} like tokens, got {tuple(t.shape)}")
+            if (name == "scores") != t.is_floating_point():
+                raise ValueError(f"DraftTree.{name} has dtype {t.dtype}")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    @classmethod
+    def empty(cls, device: torch.device | str | None = None) -> "DraftTree":
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(z, z, z, torch.zeros(0, dtype=torch.float32, device=device))
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, scores: torch.Tensor | None = None) -> "DraftTree":
+        """The chain tokens[0] -> tokens[1] -> ... (node i at depth i + 1)."""
+        k = tokens.shape[0]
+        idx = torch.arange(k, device=tokens.device)
+        scores = torch.zeros(k, device=tokens.device) if scores is None else scores.float()
+        return cls(tokens.long(), idx - 1, idx + 1, scores)
+
+    def validate(self) -> "DraftTree":
+        """Check the invariants every function relies on (one device sync); returns self."""
+        idx = torch.arange(self.num_nodes, device=self.device)
+        par = self.parents.clamp(min=0)
+        ok_parent = (self.parents >= ROOT) & (self.parents < idx)
+        ok_depth = torch.where(self.parents == ROOT, self.depth == 1, self.depth == self.depth[par] + 1)
+        bad = (~(ok_parent & ok_depth)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"DraftTree nodes {bad[:8]} break 'ROOT <= parent < index, depth = parent depth + 1' "
+                             f"(parents {self.parents[bad[:8]].tolist()}, depth {self.depth[bad[:8]].tolist()})")
+        return self
+
+
+def root_frontier(device: torch.device | str | None = None) -> torch.Tensor:
+    """The frontier of the first expansion: the root alone."""
+    return torch.tensor([ROOT], dtype=torch.long, device=device)
+
+
+def expand(tree: DraftTree, frontier: torch.Tensor, cand_tokens: torch.Tensor, cand_logprobs: torch.Tensor,
+           topk: int) -> tuple[DraftTree, torch.Tensor]:
+    """One EAGLE-2 expansion: append every candidate child, pick the next frontier.
+
+    frontier (F,) int64: the nodes the draft just ran on (ROOT for the first step).
+    cand_tokens (F, k) int64: the draft's top-k tokens after each frontier node (target ids).
+    cand_logprobs (F, k) float: their draft log-probs (log_softmax, so <= 0).
+    Returns the tree with all F*k candidates appended (row-major: frontier node f's candidates are
+    nodes n0 + f*k .. n0 + f*k + k - 1) and the next frontier (min(topk, F*k),): the appended nodes
+    with the highest cumulative score, best first, ties to the lower index.
+    """
+    if cand_tokens.shape != cand_logprobs.shape or cand_tokens.shape[:1] != frontier.shape:
+        raise ValueError(f"expand: frontier {tuple(frontier.shape)}, cand_tokens {tuple(cand_tokens.shape)} and "
+                         f"cand_logprobs {tuple(cand_logprobs.shape)} must be (F,), (F, k), (F, k)")
+    is_root = frontier == ROOT
+    at = frontier.clamp(min=0)
+    zero = torch.zeros((), device=tree.device)
+    parent_score = torch.where(is_root, zero, tree.scores[at] if tree.num_nodes else zero)  # (F,)
+    parent_depth = torch.where(is_root, 0, tree.depth[at] if tree.num_nodes else 0)  # (F,)
+    f, k = cand_tokens.shape
+    scores = (parent_score[:, None] + cand_logprobs.float()).reshape(-1)  # (F*k,)
+    grown = DraftTree(
+        tokens=torch.cat([tree.tokens, cand_tokens.reshape(-1).long()]),
+        parents=torch.cat([tree.parents, frontier.long().repeat_interleave(k)]),
+        depth=torch.cat([tree.depth, (parent_depth + 1).long().repeat_interleave(k)]),
+        scores=torch.cat([tree.scores, scores]),
+    )
+    best = torch.sort(-scores, stable=True).indices[:topk]  # stable: ties go to the lower index
+    return grown, tree.num_nodes + best
+
+
+def ancestor_table(tree: DraftTree) -> torch.Tensor:
+    """(n, D) int64, D = max depth: row i = [i, parent(i), grandparent(i), ...], ROOT-padded."""
+    n = tree.num_nodes
+    d = int(tree.depth.max()) if n else 0
+    cols = [torch.arange(n, device=tree.device)]
+    for _ in range(d - 1):  # one hop up per column
+        up = cols[-1]
+        cols.append(torch.where(up >= 0, tree.parents[up.clamp(min=0)], ROOT))
+    return torch.stack(cols, dim=1) if cols and d else torch.zeros(n, 0, dtype=torch.long, device=tree.device)
+
+
+def ancestor_mask(tree: DraftTree) -> torch.Tensor:
+    """(n, n) bool: mask[i, j] = node j is node i or one of its ancestors."""
+    table = ancestor_table(tree)  # (n, D)
+    j = torch.arange(tree.num_nodes, device=tree.device)
+    return (table[:, :, None] == j).any(dim=1)
+
+
+def prune(tree: DraftTree, budget: int) -> DraftTree:
+    """Keep the `budget` nodes with the highest cumulative score, ancestor-closed, in depth order.
+
+    Scores are non-increasing along a path (log-probs <= 0), so with ties broken toward the lower
+    index (a parent precedes its children) the top-`budget` set contains every kept node's parent.
+    Scores are first clamped to their path minimum so closure holds for any input.
+    """
+    if budget < 0:
+        raise ValueError(f"prune: budget must be >= 0, got {budget}")
+    n = tree.num_nodes
+    table = ancestor_table(tree)  # (n, D)
+    inf = torch.tensor(float("inf"), device=tree.device)
+    path_min = torch.where(table >= 0, tree.scores[table.clamp(min=0)], inf).amin(dim=1) if n else tree.scores
+    top = torch.sort(-path_min, stable=True).indices[:budget]  # (keep,)
+    kept = top[torch.sort(tree.depth[top] * n + top).indices]  # depth order, then original order
+    remap = torch.full((n,), ROOT, dtype=torch.long, device=tree.device)
+    remap[kept] = torch.arange(kept.shape[0], device=tree.device)
+    par = tree.parents[kept]
+    new_par = torch.where(par >= 0, remap[par.clamp(min=0)], ROOT)
+    assert bool(((par < 0) | (new_par >= 0)).all()), "prune dropped the parent of a kept node"
+    return DraftTree(tree.tokens[kept], new_par, tree.depth[kept], tree.scores[kept])
+
+
+def tree_attention(tree: DraftTree, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask and positions for the ONE target forward over [root] + tree.tokens.
+
+    prefix_len: tokens already in the target's KV cache (everything before the root).
+    Returns mask (1, 1, n+1, prefix_len+n+1) bool, True = may attend: every row sees the prefix and
+    the root, node rows also see their ancestors and themselves; and position_ids (n+1,) int64:
+    prefix_len for the root, prefix_len + depth for the nodes. Row/column 1 + i is node i.
+    """
+    n = tree.num_nodes
+    mask = torch.zeros(n + 1, prefix_len + n + 1, dtype=torch.bool, device=tree.device)
+    mask[:, : prefix_len + 1] = True
+    mask[1:, prefix_len + 1:] = ancestor_mask(tree)
+    zero = torch.zeros(1, dtype=torch.long, device=tree.device)
+    return mask[None, None], prefix_len + torch.cat([zero, tree.depth])
+
+
+def frontier_attention(tree: DraftTree, nodes: torch.Tensor, cached: torch.Tensor, prefix_len: int,
+                       root_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask and positions for a DRAFT forward over tree.tokens[nodes] during expansion.
+
+    The draft's KV cache holds `prefix_len` entries every node may see, then the tree nodes
+    `cached` (C,) in that order; the new entries for `nodes` (F,) follow. Same rule as
+    tree_attention: a node sees the prefix, its ancestors and itself.
+    root_pos: the position the root has in the draft's numbering (the draft's own alignment).
+    Returns mask (1, 1, F, prefix_len+C+F) bool and position_ids (F,) = root_pos + depth.
+    """
+    anc = ancestor_mask(tree)[nodes]  # (F, n)
+    seen = torch.ones(nodes.shape[0], prefix_len, dtype=torch.bool, device=tree.device)
+    mask = torch.cat([seen, anc[:, cached], anc[:, nodes]], dim=1)
+    return mask[None, None], root_pos + tree.depth[nodes]
+
+
+def retrieve_paths(tree: DraftTree) -> torch.Tensor:
+    """(P, D) int64: one row per leaf (increasing leaf index), its nodes from depth 1 down, ROOT-padded."""
+    n = tree.num_nodes
+    has_child = torch.zeros(n, dtype=torch.bool, device=tree.device)
+    has_child[tree.parents[tree.parents >= 0]] = True
+    leaves = (~has_child).nonzero().flatten()  # (P,)
+    table = ancestor_table(tree)[leaves]  # (P, D): leaf first
+    dep = tree.depth[leaves][:, None]  # (P, 1)
+    k = torch.arange(table.shape[1], device=tree.device)  # (D,)
+    flipped = table.gather(1, (dep - 1 - k).clamp(min=0))  # column k = ancestor at depth k + 1
+    return torch.where(k < dep, flipped, ROOT)

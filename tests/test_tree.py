@@ -1,0 +1,215 @@
+"""EAGLE-2 draft trees: expansion, pruning, masks and positions (checked on a tiny real target)."""
+
+import pytest
+import torch
+
+from eaglewire.targets import cache_kwarg
+from eaglewire.tree import (ROOT, DraftTree, ancestor_mask, expand, frontier_attention, prune, retrieve_paths,
+                            root_frontier, tree_attention)
+
+from tiny import tiny_model
+
+V = 16
+
+
+def sample_tree() -> DraftTree:
+    # root -> 0 -> {2, 3}, 2 -> 5; root -> 1 -> 4
+    return DraftTree(tokens=torch.tensor([5, 6, 7, 8, 9, 10]), parents=torch.tensor([-1, -1, 0, 0, 1, 2]),
+                     depth=torch.tensor([1, 1, 2, 2, 2, 3]),
+                     scores=torch.tensor([-0.1, -0.5, -0.3, -0.9, -0.6, -0.4])).validate()
+
+
+def naive_ancestors(parents: list[int], i: int) -> list[int]:
+    out = [i]
+    while parents[out[-1]] != ROOT:
+        out.append(parents[out[-1]])
+    return out
+
+
+def markov_draft(seed: int = 0):
+    """A fake draft: next-token log-probs depend on the current token only (row V = the root)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V + 1, V, generator=g).mul(2).log_softmax(-1)  # (V+1, V)
+
+
+def build(table: torch.Tensor, topk: int, steps: int) -> DraftTree:
+    """The EAGLE-2 loop of the module docstring, driven by the fake draft."""
+    tree, frontier = DraftTree.empty(), root_frontier()
+    for _ in range(steps):
+        rows = torch.where(frontier == ROOT, V, tree.tokens[frontier.clamp(min=0)] if tree.num_nodes else V)
+        lp, tok = table[rows].topk(topk, dim=-1)  # (F, topk)
+        tree, frontier = expand(tree, frontier, tok, lp, topk)
+    return tree.validate()
+
+
+def naive_eagle2(table: torch.Tensor, topk: int, steps: int):
+    """SafeAILab/EAGLE cnets.py topK_genrate, written as plain loops: (token, parent, depth, score) per node."""
+    nodes, frontier = [], [(ROOT, V, 0.0, 0)]
+    for _ in range(steps):
+        cands = []
+        for idx, tok, score, depth in frontier:
+            order = sorted(range(V), key=lambda t: -table[tok, t].item())[:topk]
+            for t in order:
+                nodes.append((t, idx, depth + 1, score + table[tok, t].item()))
+                cands.append(len(nodes) - 1)
+        best = sorted(cands, key=lambda i: (-nodes[i][3], i))[:topk]
+        frontier = [(i, nodes[i][0], nodes[i][3], nodes[i][2]) for i in best]
+    return nodes
+
+
+@pytest.mark.parametrize("topk, steps", [(1, 5), (3, 4), (4, 3)])
+def test_expand_matches_eagle2_reference(topk, steps):
+    table = markov_draft(topk)
+    tree = build(table, topk, steps)
+    ref = naive_eagle2(table, topk, steps)
+    assert tree.num_nodes == topk + (steps - 1) * topk * topk
+    assert tree.tokens.tolist() == [r[0] for r in ref]
+    assert tree.parents.tolist() == [r[1] for r in ref]
+    assert tree.depth.tolist() == [r[2] for r in ref]
+    torch.testing.assert_close(tree.scores, torch.tensor([r[3] for r in ref]))
+
+
+def test_expand_returns_best_new_nodes_as_frontier():
+    table = markov_draft(1)
+    tree, frontier = expand(DraftTree.empty(), root_frontier(), *reversed(table[V:].topk(3)), topk=3)
+    lp, tok = table[tree.tokens[frontier]].topk(3, dim=-1)
+    grown, nxt = expand(tree, frontier, tok, lp, topk=2)
+    new_scores = grown.scores[3:]
+    assert nxt.tolist() == (3 + new_scores.argsort(descending=True)[:2]).tolist()
+    assert (grown.parents[nxt] >= 0).all() and (grown.depth[nxt] == 2).all()
+
+
+def test_prune_keeps_top_budget_ancestor_closed_in_depth_order():
+    tree = build(markov_draft(2), topk=4, steps=4)
+    for budget in (0, 1, 5, 16, 30, tree.num_nodes, tree.num_nodes + 10):
+        small = prune(tree, budget).validate()
+        assert small.num_nodes == min(budget, tree.num_nodes)
+        # the kept set is the top-`budget` by score (scores are distinct here)
+        want = sorted(tree.scores.tolist(), reverse=True)[:budget]
+        assert sorted(small.scores.tolist(), reverse=True) == want
+        assert small.depth.tolist() == sorted(small.depth.tolist())
+        # each kept node still spells the same token path as in the full tree
+        full_paths = {tuple(tree.tokens[naive_ancestors(tree.parents.tolist(), i)].tolist())
+                      for i in range(tree.num_nodes)}
+        for i in range(small.num_nodes):
+            assert tuple(small.tokens[naive_ancestors(small.parents.tolist(), i)].tolist()) in full_paths
+
+
+def test_prune_stays_closed_with_ties_and_non_monotone_scores():
+    # node 1 has its parent's score (log-prob 0); node 2 claims a score above its parent's
+    tree = DraftTree(tokens=torch.tensor([1, 2, 3, 4]), parents=torch.tensor([-1, 0, -1, 2]),
+                     depth=torch.tensor([1, 2, 1, 2]), scores=torch.tensor([-1.0, -1.0, -3.0, -0.5])).validate()
+    assert prune(tree, 1).tokens.tolist() == [1]  # the parent wins the tie
+    # node 3 ranks by its path minimum (-3), so it never outranks its parent node 2
+    assert prune(tree, 2).tokens.tolist() == [1, 2]
+    assert prune(tree, 3).tokens.tolist() == [1, 3, 2]  # depth order: node 0, node 2, node 1
+
+
+def test_tree_attention_matches_naive_ancestor_loop():
+    tree, p = sample_tree(), 4
+    mask, pos = tree_attention(tree, p)
+    n = tree.num_nodes
+    assert mask.shape == (1, 1, n + 1, p + n + 1) and mask.dtype == torch.bool
+    want = torch.zeros(n + 1, p + n + 1, dtype=torch.bool)
+    want[:, : p + 1] = True
+    for i in range(n):
+        for a in naive_ancestors(tree.parents.tolist(), i):
+            want[1 + i, p + 1 + a] = True
+    assert torch.equal(mask[0, 0], want)
+    assert pos.tolist() == [4, 5, 5, 6, 6, 6, 7]
+
+
+def test_chain_is_a_tree_with_a_causal_mask():
+    chain = DraftTree.chain(torch.tensor([9, 8, 7])).validate()
+    mask, pos = tree_attention(chain, 2)
+    assert torch.equal(mask[0, 0], torch.ones(4, 6, dtype=torch.bool).tril(diagonal=2))
+    assert pos.tolist() == [2, 3, 4, 5]
+    assert retrieve_paths(chain).tolist() == [[0, 1, 2]]
+    assert prune(chain, 2).tokens.tolist() == [9, 8]
+
+
+def test_retrieve_paths_lists_every_root_to_leaf_path():
+    tree = sample_tree()
+    paths = retrieve_paths(tree)
+    assert paths.tolist() == [[0, 3, -1], [1, 4, -1], [0, 2, 5]]  # leaves 3, 4, 5
+    big = build(markov_draft(3), topk=3, steps=3)
+    parents = big.parents.tolist()
+    leaves = [i for i in range(big.num_nodes) if i not in parents]
+    want = [list(reversed(naive_ancestors(parents, leaf))) for leaf in leaves]
+    assert [[x for x in row if x >= 0] for row in retrieve_paths(big).tolist()] == want
+
+
+def test_frontier_attention_matches_naive_rule():
+    tree = sample_tree()
+    nodes, cached = torch.tensor([2, 3, 4]), torch.tensor([0, 1])
+    mask, pos = frontier_attention(tree, nodes, cached, prefix_len=3, root_pos=10)
+    assert mask.shape == (1, 1, 3, 3 + 2 + 3)
+    want = torch.zeros(3, 8, dtype=torch.bool)
+    want[:, :3] = True
+    cols = cached.tolist() + nodes.tolist()
+    for r, i in enumerate(nodes.tolist()):
+        for c, j in enumerate(cols):
+            want[r, 3 + c] = j in naive_ancestors(tree.parents.tolist(), i)
+    assert torch.equal(mask[0, 0], want)
+    assert pos.tolist() == [12, 12, 12]
+
+
+def test_validate_rejects_broken_trees():
+    with pytest.raises(ValueError, match="nodes \\[1\\]"):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 1]), torch.tensor([1, 2]), torch.zeros(2)).validate()
+    with pytest.raises(ValueError, match="nodes \\[1\\]"):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), torch.tensor([1, 3]), torch.zeros(2)).validate()
+    with pytest.raises(ValueError, match="shape"):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([-1]), torch.tensor([1, 2]), torch.zeros(2))
+
+
+def _cached_forward(model, ids, cache, **kw):
+    return model(input_ids=ids[None], use_cache=True, **{cache_kwarg(model): cache}, **kw).logits[0]
+
+
+def test_tree_forward_on_a_real_target_equals_decoding_each_path():
+    """One tree forward with tree_attention gives, at every node, the logits of a plain causal forward
+    over prefix + root + the node's path (tiny Llama, KV cache, 4D bool mask)."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    tree = build(markov_draft(4), topk=3, steps=3)
+    tree = prune(tree, 10)
+    prefix, root = torch.randint(0, 128, (6,), generator=torch.Generator().manual_seed(0)), torch.tensor([42])
+    mask, pos = tree_attention(tree, prefix.shape[0])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        _cached_forward(model, prefix, cache)
+        out = _cached_forward(model, torch.cat([root, tree.tokens]), cache, attention_mask=mask,
+                              position_ids=pos[None])  # (n+1, vocab)
+        parents = tree.parents.tolist()
+        for i in range(tree.num_nodes):
+            path = list(reversed(naive_ancestors(parents, i)))
+            ref = model(input_ids=torch.cat([prefix, root, tree.tokens[path]])[None]).logits[0, -1]
+            torch.testing.assert_close(out[1 + i], ref, atol=1e-4, rtol=1e-4)
+        ref_root = model(input_ids=torch.cat([prefix, root])[None]).logits[0, -1]
+        torch.testing.assert_close(out[0], ref_root, atol=1e-4, rtol=1e-4)
+
+
+def test_frontier_forwards_on_a_real_model_equal_decoding_each_path():
+    """Depth-by-depth draft-style forwards with frontier_attention (cache grows by the frontier)
+    equal plain causal forwards; here the tiny Llama stands in for the draft, root_pos = prefix end."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", seed=1)
+    tree = build(markov_draft(5), topk=2, steps=3)  # depth 1: nodes 0-1, depth 2: 2-5, depth 3: 6-9
+    prefix = torch.randint(0, 128, (5,), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=model.config)
+    parents = tree.parents.tolist()
+    with torch.no_grad():
+        _cached_forward(model, prefix, cache)  # the root is the last prefix token here
+        cached = torch.zeros(0, dtype=torch.long)
+        for depth in (1, 2):
+            nodes = (tree.depth == depth).nonzero().flatten()
+            mask, pos = frontier_attention(tree, nodes, cached, prefix_len=5, root_pos=4)
+            out = _cached_forward(model, tree.tokens[nodes], cache, attention_mask=mask, position_ids=pos[None])
+            for r, i in enumerate(nodes.tolist()):
+                path = list(reversed(naive_ancestors(parents, i)))
+                ref = model(input_ids=torch.cat([prefix, tree.tokens[path]])[None]).logits[0, -1]
+                torch.testing.assert_close(out[r], ref, atol=1e-4, rtol=1e-4)
+            cached = torch.cat([cached, nodes])
