@@ -1,0 +1,278 @@
+"""The native draft checkpoint: a directory with `model.safetensors` and `config.json`.
+
+config.json = {"format": "eaglewire-draft", "format_version": 1, "eaglewire_version", "git_commit",
+"draft": DraftConfig.to_dict(), "taps": TapContract.to_dict(), "target": fingerprint,
+"data_manifest_hash", "training", "metrics", "tap_stats"}. Weights are safetensors only: nothing
+here ever unpickles. A checkpoint is written to a temporary directory and renamed into place, so
+a directory that looks complete is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import __version__
+from .draft import DraftConfig, Eagle3Draft
+from .errors import EaglewireError, TapError, UsageError
+from .taps import TapContract
+from .vocab import validate_vocab
+
+FORMAT = "eaglewire-draft"
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+@dataclass(frozen=True)
+class DraftMeta:
+    """Everything in a checkpoint's config.json, plus the parsed config and tap contract."""
+
+    path: Path
+    format: str
+    format_version: int
+    eaglewire_version: str | None
+    git_commit: str | None
+    draft: dict
+    taps: dict
+    target: dict
+    data_manifest_hash: str | None
+    training: dict | None
+    metrics: dict | None
+    tap_stats: dict | None
+    config: DraftConfig
+    contract: TapContract
+
+
+def tap_stats(taps: torch.Tensor, num_taps: int) -> dict:
+    """Per-tap activation statistics of (N, num_taps*H) (or (..., num_taps*H)) captured taps.
+
+    A draft fed the wrong layers sees statistics unlike these (residual-stream magnitude grows
+    with depth), which `doctor` can compare against a live capture.
+    """
+    x = taps.detach().reshape(-1, taps.shape[-1])
+    if x.shape[-1] % num_taps:
+        raise UsageError(f"tap statistics: width {x.shape[-1]} is not a multiple of {num_taps} taps")
+    H = x.shape[-1] // num_taps
+    per_tap = []
+    for i in range(num_taps):
+        s = sq = tok_rms = 0.0
+        amax = 0.0
+        for chunk in x[:, i * H:(i + 1) * H].split(65536):  # bounded fp32 memory on long captures
+            c = chunk.float()
+            s += c.sum(dtype=torch.float64).item()
+            sq += c.pow(2).sum(dtype=torch.float64).item()
+            tok_rms += c.pow(2).mean(-1).sqrt().sum(dtype=torch.float64).item()
+            amax = max(amax, c.abs().max().item())
+        n = max(x.shape[0] * H, 1)
+        mean = s / n
+        per_tap.append({"mean": mean, "std": math.sqrt(max(sq / n - mean * mean, 0.0)), "rms": math.sqrt(sq / n),
+                        "abs_max": amax, "token_rms_mean": tok_rms / max(x.shape[0], 1)})
+    return {"num_tokens": x.shape[0], "hidden_size": H, "per_tap": per_tap}
+
+
+def _git_commit() -> str | None:
+    """The source checkout's commit, only when eaglewire runs from its own git checkout."""
+    pkg = Path(__file__).resolve().parent
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=pkg, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = top.stdout.split()
+    if top.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() / "src" / "eaglewire" != pkg:
+        return None  # an installed copy inside some other repository
+    return lines[1]
+
+
+def _jsonable(obj, field: str):
+    """JSON-safe copy: tensors/numpy scalars to numbers, NaN/inf to null, tuples to lists."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v, f"{field}.{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v, field) for v in obj]
+    if torch.is_tensor(obj):
+        return _jsonable(obj.tolist(), field)
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        obj = obj.item()
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    if isinstance(obj, Path):
+        return str(obj)
+    raise UsageError(f"checkpoint field {field}: {type(obj).__name__} is not JSON-serialisable")
+
+
+def _is_checkpoint_dir(p: Path) -> bool:
+    if not p.is_dir():
+        return False
+    if not any(p.iterdir()):
+        return True
+    try:
+        return json.loads((p / CONFIG).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _unwrap(model) -> Eagle3Draft:
+    for attr in ("module", "_orig_mod"):  # DDP, torch.compile
+        model = getattr(model, attr, model)
+    if not isinstance(model, Eagle3Draft):
+        raise UsageError(f"save_draft needs an Eagle3Draft, got {type(model).__name__}")
+    return model
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_draft(model, out_dir, *, contract: TapContract, target_fingerprint: dict,
+               data_manifest_hash: str | None = None, training: dict | None = None,
+               metrics: dict | None = None, tap_stats: dict | None = None) -> Path:
+    """Write the draft to `out_dir` atomically (replacing an existing eaglewire checkpoint there)."""
+    model = _unwrap(model)
+    cfg = model.config
+    out = Path(out_dir)
+    if len(contract.taps) != cfg.num_taps:
+        raise UsageError(f"tap contract has {len(contract.taps)} taps {list(contract.taps)}, the draft's fc reads "
+                         f"num_taps={cfg.num_taps}")
+    _check_target(target_fingerprint or {}, cfg, contract, str(out))
+    validate_vocab(model.d2t, model.t2d, cfg.vocab_size, where=f"{out}: d2t/t2d")
+    if out.exists() and not _is_checkpoint_dir(out):
+        raise UsageError(f"{out}: exists and is not an eaglewire draft checkpoint; refusing to overwrite it")
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "eaglewire_version": __version__,
+            "git_commit": _git_commit(), "draft": cfg.to_dict(), "taps": contract.to_dict(),
+            "target": target_fingerprint or {}, "data_manifest_hash": data_manifest_hash, "training": training,
+            "metrics": metrics, "tap_stats": tap_stats}
+    text = json.dumps(_jsonable(meta, "config"), indent=2, allow_nan=False) + "\n"
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    old = None
+    try:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(text)
+        for f in (WEIGHTS, CONFIG):
+            _fsync(tmp / f)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+            os.replace(out, old / "ckpt")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and (old / "ckpt").exists() and not out.exists():
+            os.replace(old / "ckpt", out)  # put the previous checkpoint back
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _check_target(target: dict, cfg: DraftConfig, contract: TapContract, where: str) -> None:
+    for key, want, what in (("hidden_size", cfg.target_hidden_size, "draft.target_hidden_size"),
+                            ("vocab_size", cfg.vocab_size, "draft.vocab_size"),
+                            ("num_layers", contract.num_layers, "taps.num_layers")):
+        if target.get(key) is not None and target[key] != want:
+            raise UsageError(f"{where}: target.{key} is {target[key]} but {what} is {want}: the draft and its "
+                             "target fingerprint disagree")
+
+
+def _err(where: str, field: str, msg: str) -> UsageError:
+    return UsageError(f"{where}: {field}: {msg}")
+
+
+def load_meta(path) -> DraftMeta:
+    """Read and validate a checkpoint's config.json (no weights)."""
+    root = Path(path)
+    root = root.parent if root.name in (CONFIG, WEIGHTS) else root
+    cfile = root / CONFIG
+    if not cfile.is_file():
+        raise UsageError(f"{root}: not an eaglewire draft checkpoint (no {CONFIG}); engine-format drafts must be "
+                         "imported first")
+    try:
+        raw = json.loads(cfile.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{cfile}: unreadable JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise _err(str(cfile), "top level", f"expected a JSON object, got {type(raw).__name__}")
+    if raw.get("format") != FORMAT:
+        raise _err(str(cfile), "format", f"is {raw.get('format')!r}, expected {FORMAT!r} (an engine-format draft "
+                   "must be imported first)")
+    version = raw.get("format_version")
+    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise _err(str(cfile), "format_version", f"is {version!r}; this eaglewire reads version {FORMAT_VERSION} "
+                   "(upgrade eaglewire for newer checkpoints)")
+    missing = [k for k in ("draft", "taps", "target") if not isinstance(raw.get(k), dict)]
+    if missing:
+        raise _err(str(cfile), ", ".join(missing), "missing or not an object")
+    try:
+        config = DraftConfig.from_dict(raw["draft"])
+    except UsageError as e:
+        raise _err(str(cfile), "draft", str(e)) from None
+    try:
+        contract = TapContract.from_dict(raw["taps"])
+    except TapError as e:
+        raise _err(str(cfile), "taps", str(e)) from None
+    if len(contract.taps) != config.num_taps:
+        raise _err(str(cfile), "taps", f"{len(contract.taps)} taps {list(contract.taps)} but draft.num_taps is "
+                   f"{config.num_taps} (the fc input holds num_taps x target_hidden_size)")
+    _check_target(raw["target"], config, contract, str(cfile))
+    return DraftMeta(path=root, format=FORMAT, format_version=version,
+                     eaglewire_version=raw.get("eaglewire_version"), git_commit=raw.get("git_commit"),
+                     draft=raw["draft"], taps=raw["taps"], target=raw["target"],
+                     data_manifest_hash=raw.get("data_manifest_hash"), training=raw.get("training"),
+                     metrics=raw.get("metrics"), tap_stats=raw.get("tap_stats"), config=config, contract=contract)
+
+
+def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in Eagle3Draft(config).state_dict().items()}
+
+
+def load_draft(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Eagle3Draft, DraftMeta]:
+    """Load and validate a native checkpoint. dtype casts the floating weights (None: as stored)."""
+    meta = load_meta(path)
+    wfile = meta.path / WEIGHTS
+    if not wfile.is_file():
+        raise UsageError(f"{meta.path}: no {WEIGHTS} (eaglewire reads safetensors weights only, never pickle)")
+    try:
+        with safe_open(str(wfile), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+        raise UsageError(f"{wfile}: unreadable safetensors file ({e})") from None
+    want = expected_shapes(meta.config)
+    missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or unexpected:
+        raise UsageError(f"{wfile}: tensors do not match config.json 'draft': missing {missing or 'none'}, "
+                         f"unexpected {unexpected or 'none'}")
+    c = meta.config
+    if tuple(tensors["fc.weight"].shape) != want["fc.weight"]:
+        raise UsageError(f"{wfile}: fc.weight has shape {tuple(tensors['fc.weight'].shape)}, config.json says "
+                         f"({c.hidden_size}, {c.fc_in_features}) = (hidden_size, num_taps {c.num_taps} x "
+                         f"target_hidden_size {c.target_hidden_size})")
+    wrong = [f"{k} {tuple(t.shape)} != {want[k]}" for k, t in tensors.items() if tuple(t.shape) != want[k]]
+    if wrong:
+        raise UsageError(f"{wfile}: tensor shapes disagree with config.json 'draft': {'; '.join(wrong)}")
+    validate_vocab(tensors["d2t"], tensors["t2d"], c.vocab_size, where=f"{wfile}: d2t/t2d")
+    with torch.device("meta"):
+        model = Eagle3Draft(c)
+    model.load_state_dict(tensors, strict=True, assign=True)  # keeps each parameter's requires_grad
+    model.to(device=device, dtype=dtype)  # dtype None: as stored; integer buffers are never cast
+    return model.eval(), meta
