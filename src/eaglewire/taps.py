@@ -197,7 +197,7 @@ CONVENTIONS: dict[str, Convention] = {c.name: c for c in [
 ]}
 
 # Engines whose meaning of ids depends on the target family.
-DEEPSEEK_FAMILY_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "glm4_moe"})
+DEEPSEEK_FAMILY_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "glm4_moe_lite"})
 
 
 def sglang_convention(model_type: str, legacy: bool = False) -> str:

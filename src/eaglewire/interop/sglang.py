@@ -1,0 +1,263 @@
+"""SGLang's EAGLE-3 draft format (`LlamaForCausalLMEagle3`): rules by version, export, reading.
+
+Rules read from the sglang wheels' source (sglang/srt/...), per release:
+- models/llama_eagle3.py `load_weights`: names not in the model's parameters are silently
+  dropped; `d2t` becomes hot_token_id (target = draft + d2t), `t2d` is skipped. Before 0.5.12 the
+  first layer is the attribute `midlayer` (so `layers.0.*` is dropped) and fc is `hidden_size_in * 3`
+  wide; from 0.5.12 a legacy map renames `midlayer` -> `layers.0`, fc width follows the number of
+  nested layer ids, layers >= 1 carry their pre-attention norm as `hidden_norm`, and `fc_norm`
+  (per-tap norms) and `norm_output` (feed the post-norm state to the next step) are read; from
+  0.5.17 `norm_before_fc` (one norm over the concatenated taps, `input_norm.weight`).
+  The first layer's residual is always the raw fc output: norm_before_residual is hard-coded False.
+  `tie_word_embeddings` makes lm_head the embedding; draft_vocab_size None loads the target's lm_head.
+- model_executor/model_runner.py (0.5.23: model_runner_components/spec_aux_hidden_state.py): the
+  ids are read ONLY from the nested `eagle_config`, inside a try/except that falls back to None
+  (= the model's default taps) on any error.
+- models/llama.py, qwen2.py, qwen3.py, glm4_moe.py `set_eagle3_layers_to_capture`: None ->
+  [2, N//2, N-3] used as-is; explicit ids -> `val + 1`. models/deepseek_v2.py (and glm4_moe_lite.py):
+  the same before 0.5.13; from 0.5.13 (PR #25454) +1 only when ids[0] == 1.
+The index rules themselves live in eaglewire.taps (sglang_convention); this module only picks one.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..draft import DraftConfig, Eagle3Draft
+from ..errors import TapError, UsageError
+from ..taps import CONVENTIONS, TapContract, sglang_convention, sglang_default_taps
+from .common import (IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, check_flag_values,
+                     complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes)
+from .engine_view import EngineView, FlagView
+
+NAME = "sglang"
+ARCH = "LlamaForCausalLMEagle3"
+LATEST = "0.5.23"  # the newest release whose source these rules were checked against
+# First releases with each behaviour (checked in the published wheels).
+LAYERS_RENAME_SINCE = (0, 5, 12)  # layers.0 naming, fc width from the ids, fc_norm, norm_output, >1 layer
+HEURISTIC_SINCE = (0, 5, 13)  # deepseek_v2 first-id heuristic, PR #25454
+NORM_BEFORE_FC_SINCE = (0, 5, 17)
+REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")  # SpecForge export/to_sglang.py
+
+
+def parse_version(v: str | None) -> tuple[int, ...]:
+    """'0.5.13', 'v0.5.12.post1', 'latest' or None (= latest) -> comparable tuple."""
+    if v is None or v == "latest":
+        v = LATEST
+    m = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)(?:\.?post(\d+))?(?:rc\d+)?", str(v).strip())
+    if not m:
+        raise UsageError(f"--engine-version {v!r}: expected an SGLang release such as 0.5.13 or 'latest'")
+    return tuple(int(x or 0) for x in m.groups())
+
+
+def convention_for(model_type: str | None, version: str | None) -> str:
+    legacy = parse_version(version) < HEURISTIC_SINCE
+    return sglang_convention(model_type or "llama", legacy=legacy)
+
+
+# --- export ---------------------------------------------------------------------------------------
+
+def _engine_names(state: dict[str, torch.Tensor], version: tuple) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        m = re.match(r"layers\.(\d+)\.(.*)", k)
+        if m and m.group(1) == "0":
+            k = "midlayer." + m.group(2)  # understood by every release (renamed to layers.0 from 0.5.12)
+        elif m and m.group(2) == "input_layernorm.weight":
+            k = f"layers.{m.group(1)}.hidden_norm.weight"  # layers >= 1 norm their input with hidden_norm
+        elif k == "fc_input_norm.weight":
+            k = "input_norm.weight"
+        out[k] = v
+    return out
+
+
+def check_exportable(c: DraftConfig, contract: TapContract, version: tuple) -> None:
+    """Refuse what this SGLang cannot run, before anything is written."""
+    v = ".".join(map(str, version[:3]))
+    if c.norm_before_residual:
+        raise UsageError("SGLang cannot run norm_before_residual=true (llama_eagle3.py hard-codes the raw fc "
+                         "output as the first layer's residual); serve this draft with vLLM instead")
+    if version < LAYERS_RENAME_SINCE:
+        for what, bad in (("a tap count other than 3", len(contract.taps) != 3),
+                          ("more than one draft layer", c.num_layers > 1),
+                          ("fc_norm", c.fc_norm), ("norm_output", c.norm_output)):
+            if bad:
+                raise UsageError(f"SGLang {v} cannot run {what} (llama_eagle3.py before 0.5.12); use "
+                                 "--engine-version 0.5.12 or newer")
+    if c.norm_before_fc and version < NORM_BEFORE_FC_SINCE:
+        raise UsageError(f"SGLang {v} cannot run norm_before_fc (read from 0.5.17 on); use --engine-version 0.5.17 "
+                         "or newer")
+
+
+def choose_ids(contract: TapContract, model_type: str | None, version: str | None) -> tuple[list[int], str, list[str]]:
+    """Ids in SGLang's words -> (ids, convention, notes). Refuses taps SGLang cannot capture."""
+    conv = convention_for(model_type, version)
+    notes = []
+    try:
+        ids = CONVENTIONS[conv].to_ids(contract.taps, contract.num_layers)
+    except TapError as e:
+        raise UsageError(f"SGLang cannot capture these taps: {e}") from None
+    if conv in ("sglang-deepseek", "sglang-deepseek-legacy"):
+        other = "sglang-deepseek-legacy" if conv == "sglang-deepseek" else "sglang-deepseek"
+        legacy_ids = CONVENTIONS["sglang-deepseek-legacy"].to_ids(contract.taps, contract.num_layers)
+        if CONVENTIONS["sglang-deepseek"].from_ids(legacy_ids, contract.num_layers) == contract.taps:
+            ids, conv = legacy_ids, "sglang-deepseek-legacy"
+            notes.append(f"ids {ids} start at 1, so SGLang reads them as the same taps before and after 0.5.13 "
+                         "(PR #25454): this export works on every SGLang version")
+        else:
+            alt = CONVENTIONS[other].to_ids(contract.taps, contract.num_layers)
+            when = "0.5.13 and newer" if conv == "sglang-deepseek" else "before 0.5.13"
+            notes.append(f"DeepSeek-family target: ids {ids} are right for SGLang {when} only; "
+                         f"{'older' if conv == 'sglang-deepseek' else 'newer'} SGLang needs {alt} "
+                         "(first-id heuristic, PR #25454): export again with --engine-version")
+    return ids, conv, notes
+
+
+def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_version: str | None):
+    """-> (config dict, tensors, ids, convention, notes). Pure: writes nothing."""
+    c = model.config
+    version = parse_version(engine_version)
+    check_exportable(c, contract, version)
+    ids, conv, notes = choose_ids(contract, target.get("model_type"), engine_version)
+    cfg = {"architectures": [ARCH], **hf_fields(c), "draft_vocab_size": c.draft_vocab_size,
+           # SGLang reads the ids only here (model_runner.py); the nested key is mandatory.
+           "eagle_config": {IDS_KEY: ids, "use_aux_hidden_state": True},
+           **{f: getattr(c, f) for f in NORM_FLAGS},
+           PROVENANCE_KEY: provenance(NAME, conv, contract, target, engine_version or LATEST, c)}
+    tensors = _engine_names({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, version)
+    return cfg, tensors, ids, conv, notes
+
+
+# --- what SGLang reads ----------------------------------------------------------------------------
+
+def _params(cfg: dict, num_aux: int, version: tuple) -> set[str]:
+    """The parameter names (without the `model.` prefix) SGLang's LlamaForCausalLMEagle3 builds."""
+    n = int(cfg.get("num_hidden_layers") or 1)
+    layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+             "post_attention_layernorm.weight", "hidden_norm.weight"]
+    names = {"fc.weight", "norm.weight", "embed_tokens.weight"}
+    if not cfg.get("tie_word_embeddings"):
+        names.add("lm_head.weight")
+    if version >= LAYERS_RENAME_SINCE:
+        names |= {f"layers.0.{p}" for p in layer + ["input_layernorm.weight"]}
+        names |= {f"layers.{i}.{p}" for i in range(1, n) for p in layer}
+        if cfg.get("fc_norm") or cfg.get("use_aux_norm"):
+            names |= {f"fc_norm.{i}.weight" for i in range(num_aux)}
+    else:
+        names |= {f"midlayer.{p}" for p in layer + ["input_layernorm.weight"]}
+    nbf = (cfg.get("eagle_config") or {}).get("norm_before_fc", cfg.get("norm_before_fc", False))
+    if version >= NORM_BEFORE_FC_SINCE and nbf:
+        names.add("input_norm.weight")
+    return names
+
+
+def _rename(name: str, version: tuple) -> str:
+    if version >= LAYERS_RENAME_SINCE:
+        for old, new in (("midlayer", "layers.0"), ("aux_norm_low", "fc_norm.0"), ("aux_norm_mid", "fc_norm.1"),
+                         ("aux_norm_high", "fc_norm.2")):
+            name = name.replace(old, new)
+    return name
+
+
+def _flags(cfg: dict, version: tuple) -> dict[str, FlagView]:
+    new, nbf_ok = version >= LAYERS_RENAME_SINCE, version >= NORM_BEFORE_FC_SINCE
+    nested = cfg.get("eagle_config") or {}
+    out = {}
+    for f in NORM_FLAGS:
+        written = nested.get(f) if f == "norm_before_fc" and f in nested else cfg.get(f)
+        where = ("eagle_config." + f if f == "norm_before_fc" and f in nested else f) if written is not None else None
+        read = {"norm_before_residual": False, "norm_before_fc": nbf_ok, "fc_norm": new, "norm_output": new}[f]
+        effective = bool(written) if read else False
+        out[f] = FlagView(written=written, where=where, engine_default=False if read else None,
+                          effective=effective, supported=not (written and not read))
+    return out
+
+
+def native_name(param: str) -> str:
+    """An SGLang parameter name -> eaglewire's name for the same tensor."""
+    name = param.removeprefix("model.").replace("midlayer.", "layers.0.")
+    if name == "input_norm.weight":
+        return "fc_input_norm.weight"
+    return re.sub(r"^layers\.([1-9]\d*)\.hidden_norm\.", r"layers.\1.input_layernorm.", name)
+
+
+def engine_view(dd: DraftDir, version: str | None, model_type: str | None, num_layers: int | None) -> EngineView:
+    v = parse_version(version)
+    cfg, problems = dd.config, []
+    arch = (cfg.get("architectures") or [None])[0]
+    recognised = arch == ARCH
+    if not recognised:
+        problems.append(f"architectures is {cfg.get('architectures')!r}: SGLang loads EAGLE-3 drafts as {ARCH}")
+    ids = dd.ids("nested")
+    ignored = {k: v_ for k, v_ in (("eagle_aux_hidden_state_layer_ids (top level)", dd.ids("top")),) if v_ is not None}
+    conv = convention_for(model_type, version) if model_type else None
+    captured = None
+    if num_layers is not None:
+        try:
+            captured = list(sglang_default_taps(num_layers) if ids is None else
+                            CONVENTIONS[conv or "sglang"].from_ids(ids, num_layers))
+        except TapError as e:
+            problems.append(f"eagle_config.{IDS_KEY} {ids}: {e}")
+    num_aux = (len(ids) if ids else 3) if v >= LAYERS_RENAME_SINCE else 3
+    params = _params(cfg, num_aux, v)
+    kept, dropped = {}, []
+    for name in sorted(dd.names):
+        if name.endswith("d2t") or name.endswith("t2d"):
+            (kept.__setitem__(name, "hot_token_id") if "d2t" in name else dropped.append(name))
+            continue
+        new = _rename(name, v)
+        if new in params:
+            kept[name] = "model." + new if new != "lm_head.weight" else new
+        else:
+            dropped.append(name)
+    seen = {_rename(n, v) for n in dd.names}
+    missing = sorted((set(REQUIRED) - dd.names) | {p for p in params - seen if p != "embed_tokens.weight"})
+    fc = dd.tensors.get("fc.weight")
+    hidden = cfg.get("hidden_size")
+    target_hidden = cfg.get("target_hidden_size", hidden)
+    if fc is not None and target_hidden and fc.shape[1] != target_hidden * num_aux:
+        problems.append(f"fc.weight is {fc.shape[1]} wide but SGLang builds fc for {num_aux} taps x {target_hidden}")
+    return EngineView(engine=NAME, engine_version=".".join(map(str, v[:3])), path=str(dd.path), architecture=arch,
+                      recognised=recognised, ids=ids, ids_where=f"eagle_config.{IDS_KEY}" if ids is not None else None,
+                      ids_ignored=ignored, default_used=ids is None, convention=conv if ids is not None else None,
+                      captured_taps=captured, num_aux_expected=num_aux,
+                      fc_in_features=int(fc.shape[1]) if fc is not None else None, target_hidden_size=target_hidden,
+                      weights_kept=kept, weights_dropped=dropped, weights_missing=missing,
+                      draft_vocab_size=cfg.get("draft_vocab_size"),
+                      lm_head_from_target=cfg.get("draft_vocab_size") is None and not cfg.get("tie_word_embeddings"),
+                      embedding_replaced=target_hidden == hidden, norm_flags=_flags(cfg, v), problems=problems)
+
+
+# --- reading a SGLang directory as SGLang would run it --------------------------------------------
+
+def read(dd: DraftDir, *, model_type: str | None, num_layers: int, vocab_size: int | None,
+         version: str | None) -> Reading:
+    view = engine_view(dd, version, model_type, num_layers)
+    where = str(dd.path / "config.json")
+    check_flag_values(dd.config, where)
+    bad = [f for f, fv in view.norm_flags.items() if not fv.supported]
+    if not view.recognised or view.weights_missing or bad or view.captured_taps is None:
+        raise UsageError(f"{dd.path}: SGLang {view.engine_version} would not run this draft as written: "
+                         + "; ".join(view.problems + [f"missing weights {view.weights_missing}"] * bool(view.weights_missing)
+                                     + [f"unsupported flags {bad}"] * bool(bad)))
+    tensors = {}
+    for stored, param in view.weights_kept.items():
+        if param == "hot_token_id":
+            tensors["d2t"] = dd.tensors[stored]
+            continue
+        tensors[native_name(param)] = dd.tensors[stored]
+    if "t2d" in dd.tensors:
+        tensors["t2d"] = dd.tensors["t2d"]
+    vocab, draft_vocab = vocab_sizes(dd.config, tensors, where, vocab_size)
+    notes = complete_vocab(tensors, vocab, draft_vocab, where)
+    flags = {f: fv.effective for f, fv in view.norm_flags.items()}
+    config = DraftConfig(**draft_fields_from_hf(dd.config, where), vocab_size=vocab, draft_vocab_size=draft_vocab,
+                         target_hidden_size=view.target_hidden_size, num_taps=view.num_aux_expected, **flags)
+    contract = TapContract(num_layers, tuple(view.captured_taps))
+    if view.default_used:
+        notes.append(f"no eagle_config.{IDS_KEY}: SGLang captures its default taps {list(contract.taps)}")
+    return Reading(source=NAME, convention=view.convention or "sglang-default", config=config, tensors=tensors,
+                   contract=contract, ids=view.ids, ids_where=view.ids_where, notes=tuple(notes))

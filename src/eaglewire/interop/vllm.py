@@ -1,0 +1,191 @@
+"""vLLM's EAGLE-3 formats: the speculators format (`Eagle3Speculator`) and the plain one.
+
+Rules read from public source:
+- vllm/transformers_utils/configs/speculators/algos.py `update_eagle3`: a speculators config is
+  turned into the draft's HF config from `transformer_layer_config` (model_type llama or qwen3
+  only), with draft_vocab_size, target_hidden_size, the four norm flags (norm_before_residual
+  defaults to TRUE when absent, the others to False) and the TOP-LEVEL
+  eagle_aux_hidden_state_layer_ids.
+- vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py `get_eagle3_aux_layers_from_config`: ids
+  are read only from the top level (`hf_config.eagle_aux_hidden_state_layer_ids`); absent, the
+  target's default (2, N//2, N-3) is used. Id j is tap j (taps.CONVENTIONS["vllm"]).
+- vllm/model_executor/models/llama_eagle3.py: `midlayer.` is renamed `layers.0.`; `d2t` becomes
+  draft_id_to_target_id, `t2d` is skipped; other unknown names raise; fc is `target_hidden_size * 3`
+  wide; a plain (non-speculators) config's norm_before_residual is read with getattr(.., False).
+- vllm-project/speculators src/speculators/models/eagle3/{config,core}.py: the library's own
+  Eagle3SpeculatorConfig defaults every norm flag to False; weights `layers.N.*`, `fc.weight`,
+  `input_norm.weight` (norm_before_fc), `fc_norm.{i}.weight`, `norm.weight`, `lm_head.weight`,
+  `embed_tokens.weight`, `d2t`, `t2d`; fc is num_taps * hidden_size wide.
+"""
+
+from __future__ import annotations
+
+from ..draft import DraftConfig, Eagle3Draft
+from ..errors import TapError, UsageError
+from ..taps import CONVENTIONS, TapContract, default_taps
+from .common import (IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, check_flag_values,
+                     complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes)
+from .engine_view import EngineView, FlagView
+
+NAME = "vllm"
+SPECULATORS = "speculators"
+SPEC_ARCH = "Eagle3Speculator"
+PLAIN_ARCHS = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")  # vLLM's model registry names
+VLLM_FC_TAPS = 3  # llama_eagle3.py: fc input = target_hidden_size * 3
+# speculators.models.eagle3 config defaults vs vLLM's update_eagle3 defaults for absent flags.
+SPECULATORS_DEFAULTS = dict.fromkeys(NORM_FLAGS, False)
+VLLM_SPECULATORS_DEFAULTS = {**SPECULATORS_DEFAULTS, "norm_before_residual": True}
+
+
+def is_speculators(cfg: dict) -> bool:
+    return cfg.get("speculators_model_type") == "eagle3"
+
+
+# --- export ---------------------------------------------------------------------------------------
+
+def export(model: Eagle3Draft, contract: TapContract, target: dict, fmt: str, num_speculative_tokens: int,
+           verifier: str | None):
+    """-> (config dict, tensors, ids, convention, notes) for --format vllm or speculators. Writes nothing."""
+    c, notes = model.config, []
+    if fmt == NAME and len(contract.taps) != VLLM_FC_TAPS:
+        raise UsageError(f"vLLM builds the draft's fc for exactly 3 taps (llama_eagle3.py); this draft reads "
+                         f"{len(contract.taps)} taps {list(contract.taps)}")
+    if fmt == SPECULATORS and c.target_hidden_size != c.hidden_size:
+        raise UsageError(f"the speculators library builds fc over num_taps x hidden_size ({c.hidden_size}); this "
+                         f"draft reads taps of width {c.target_hidden_size}: export with --format vllm")
+    try:
+        ids = CONVENTIONS["vllm"].to_ids(contract.taps, contract.num_layers)
+    except TapError as e:
+        raise UsageError(f"vLLM cannot capture these taps: {e}") from None
+    if 0 in contract.taps or contract.num_layers in contract.taps:
+        notes.append("taps include the embedding (0) or the last layer's output: vLLM captures them only from "
+                     "PR #36063 on (EagleModelMixin), DeepSeek-family targets from PR #46973 on")
+    layer = hf_fields(c)
+    layer.pop("target_hidden_size", None)
+    layer["architectures"] = ["LlamaForCausalLM"]
+    cfg = {"architectures": [SPEC_ARCH], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
+           "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
+           # Every flag written: vLLM assumes norm_before_residual=True when absent, speculators False.
+           **{f: getattr(c, f) for f in NORM_FLAGS},
+           IDS_KEY: ids, "embed_requires_grad": False,
+           "speculators_config": {
+               "algorithm": "eagle3",
+               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                     "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+               "default_proposal_method": "greedy",
+               "verifier": {"name_or_path": verifier,
+                            "architectures": [target["architecture"]] if target.get("architecture") else []}},
+           PROVENANCE_KEY: provenance(fmt, "vllm", contract, target, None, c)}
+    tensors = {("input_norm.weight" if k == "fc_input_norm.weight" else k): v.detach().cpu().contiguous()
+               for k, v in model.state_dict().items()}
+    return cfg, tensors, ids, "vllm", notes
+
+
+# --- what vLLM (or the speculators library) reads -------------------------------------------------
+
+def _layer_cfg(cfg: dict) -> dict:
+    return cfg.get("transformer_layer_config") or {} if is_speculators(cfg) else cfg
+
+
+def _params(layer: dict, flags: dict, num_aux: int) -> set[str]:
+    n = int(layer.get("num_hidden_layers") or 1)
+    per = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight",
+           "input_layernorm.weight"]
+    names = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "layers.0.hidden_norm.weight"}
+    names |= {f"layers.{i}.{p}" for i in range(n) for p in per}
+    if flags["norm_before_fc"]:
+        names.add("input_norm.weight")
+    if flags["fc_norm"]:
+        names |= {f"fc_norm.{i}.weight" for i in range(num_aux)}
+    return names
+
+
+def engine_view(dd: DraftDir, engine: str, num_layers: int | None) -> EngineView:
+    """engine: 'vllm' (the serving engine) or 'speculators' (the library's own loader)."""
+    cfg, problems = dd.config, []
+    spec = is_speculators(cfg)
+    arch = (cfg.get("architectures") or [None])[0]
+    layer = _layer_cfg(cfg)
+    if engine == SPECULATORS:
+        recognised = spec
+    else:
+        recognised = (spec and layer.get("model_type", "llama") in ("llama", "qwen3")) or arch in PLAIN_ARCHS
+    if not recognised:
+        problems.append(f"architectures {cfg.get('architectures')!r}: {engine} does not load this as an EAGLE-3 draft")
+    ids = dd.ids("top")
+    ignored = {f"eagle_config.{IDS_KEY}": dd.ids("nested")} if dd.ids("nested") is not None else {}
+    captured = None
+    if num_layers is not None:
+        try:
+            captured = list(default_taps(num_layers) if ids is None else CONVENTIONS["vllm"].from_ids(ids, num_layers))
+        except TapError as e:
+            problems.append(f"{IDS_KEY} {ids}: {e}")
+    defaults = (VLLM_SPECULATORS_DEFAULTS if engine == NAME else SPECULATORS_DEFAULTS) if spec else SPECULATORS_DEFAULTS
+    flags = {}
+    for f in NORM_FLAGS:
+        written = cfg.get(f)
+        flags[f] = FlagView(written=written, where=f if written is not None else None, engine_default=defaults[f],
+                            effective=bool(defaults[f] if written is None else written), supported=True)
+    num_aux = VLLM_FC_TAPS if engine == NAME else (len(ids) if ids else 3)
+    params = _params(layer, {f: v.effective for f, v in flags.items()}, num_aux)
+    kept, dropped = {}, []
+    for name in sorted(dd.names):
+        new = name.replace("midlayer.", "layers.0.") if engine == NAME else name
+        if new == "t2d":
+            (kept.__setitem__(name, "t2d") if engine == SPECULATORS else dropped.append(name))
+        elif new == "d2t":
+            kept[name] = "draft_id_to_target_id" if engine == NAME else "d2t"
+        elif new in params:
+            kept[name] = new
+        else:
+            dropped.append(name)
+            if engine == NAME:
+                problems.append(f"weight {name!r}: vLLM's loader raises on names it does not know")
+    missing = sorted(p for p in params - {n.replace("midlayer.", "layers.0.") for n in dd.names}
+                     if p != "embed_tokens.weight")
+    fc = dd.tensors.get("fc.weight")
+    hidden = layer.get("hidden_size")
+    target_hidden = cfg.get("target_hidden_size") or layer.get("target_hidden_size") or hidden
+    if engine == SPECULATORS:
+        target_hidden = hidden  # the library's fc is num_taps * hidden_size
+    if fc is not None and target_hidden and fc.shape[1] != target_hidden * num_aux:
+        problems.append(f"fc.weight is {fc.shape[1]} wide but {engine} builds fc for {num_aux} taps x {target_hidden}")
+    dvs = cfg.get("draft_vocab_size")
+    return EngineView(engine=engine, engine_version="latest", path=str(dd.path), architecture=arch,
+                      recognised=recognised, ids=ids, ids_where=IDS_KEY if ids is not None else None,
+                      ids_ignored=ignored, default_used=ids is None, convention="vllm", captured_taps=captured,
+                      num_aux_expected=num_aux, fc_in_features=int(fc.shape[1]) if fc is not None else None,
+                      target_hidden_size=target_hidden, weights_kept=kept, weights_dropped=dropped,
+                      weights_missing=missing, draft_vocab_size=dvs, lm_head_from_target=False,
+                      embedding_replaced="embed_tokens.weight" not in dd.names, norm_flags=flags, problems=problems)
+
+
+def read(dd: DraftDir, *, engine: str, num_layers: int, vocab_size: int | None) -> Reading:
+    """The draft `engine` ('vllm' or 'speculators') would run from this directory."""
+    view = engine_view(dd, engine, num_layers)
+    where = str(dd.path / "config.json")
+    check_flag_values(dd.config, where)
+    if not view.recognised or view.weights_missing or view.captured_taps is None or view.problems:
+        raise UsageError(f"{dd.path}: {engine} would not run this draft as written: "
+                         + "; ".join(view.problems + [f"missing weights {view.weights_missing}"] * bool(view.weights_missing)))
+    tensors = {}
+    for stored, param in view.weights_kept.items():
+        name = {"draft_id_to_target_id": "d2t", "input_norm.weight": "fc_input_norm.weight"}.get(param, param)
+        tensors[name] = dd.tensors[stored]
+    layer = _layer_cfg(dd.config)
+    vocab, draft_vocab = vocab_sizes({**layer, **{k: dd.config[k] for k in ("draft_vocab_size",) if k in dd.config}},
+                                     tensors, where, vocab_size)
+    notes = complete_vocab(tensors, vocab, draft_vocab, where)
+    flags = {f: fv.effective for f, fv in view.norm_flags.items()}
+    implicit = [f"{f}={fv.effective} ({engine}'s default)" for f, fv in view.norm_flags.items() if fv.written is None]
+    if implicit:
+        notes.append("norm flags absent, engine defaults apply: " + ", ".join(implicit))
+    config = DraftConfig(**draft_fields_from_hf(layer, where), vocab_size=vocab, draft_vocab_size=draft_vocab,
+                         target_hidden_size=view.target_hidden_size, num_taps=len(view.captured_taps), **flags)
+    if view.default_used:
+        notes.append(f"no top-level {IDS_KEY}: {engine} uses its default taps {view.captured_taps}")
+    return Reading(source=engine, convention="vllm", config=config, tensors=tensors,
+                   contract=TapContract(num_layers, tuple(view.captured_taps)), ids=view.ids, ids_where=view.ids_where,
+                   notes=tuple(notes))
+
