@@ -207,3 +207,10 @@ def test_detect_names_the_reason(tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "junk" / "model.safetensors"))
     with pytest.raises(UsageError, match="not recognised"):
         interop.load_any(tmp_path / "junk")
+
+
+def test_agreeing_readings_are_named_in_the_notes(tmp_path):
+    m = tiny_draft()
+    d = specforge_dir(tmp_path / "sf", m, [1, 3, 4])
+    _, meta = interop.load_any(d, target=interop.TargetInfo(fingerprint=dict(LLAMA), embedding=m.embed_tokens.weight))
+    assert any("sglang (sglang)" in n and "specforge (specforge)" in n for n in meta.notes)

@@ -186,6 +186,11 @@ def _choose(dd: DraftDir, sources: list[str], why: str, t: TargetInfo, engine_ve
         hint = "--engine-version" if {r.source for r in readings} == {"sglang"} else "--source"
         raise UsageError(f"{dd.path}: {why}; the files alone do not say which, and the readings differ: {each}. "
                          f"Pass {hint} to say which one produced this directory")
+    agree = sorted({f"{r.source} ({r.convention})" for r in readings})
+    if len(agree) > 1:
+        chosen = readings[0]
+        note = f"{why}: {', '.join(agree)} read this directory alike; no --source needed"
+        return Reading(**{**chosen.__dict__, "notes": chosen.notes + (note,)})
     return readings[0]
 
 

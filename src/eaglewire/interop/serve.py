@@ -51,7 +51,7 @@ def sglang_text(out: str, ids: list[int], convention: str, contract: TapContract
     lines = ["# Serving this draft with SGLang", "", "```bash", cmd, "```", "",
              _taps_line(contract, target), "",
              f"SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` = {ids} from config.json "
-             f"(the nested key only; convention `{convention}`, checked for SGLang {engine_version}) and captures "
+             f"(the nested key only; convention `{convention}`, as SGLang {engine_version} reads it) and captures "
              f"the residual stream entering decoder layers {list(contract.taps)}.",
              "", "Notes:",
              f"- topk {args.topk}, steps {args.num_steps}, draft tokens {args.draft_tokens}: "
