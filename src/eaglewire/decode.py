@@ -1,0 +1,338 @@
+"""`SpecDecoder`: a target plus an EAGLE-3 draft, chain or EAGLE-2 tree drafting, batch size 1.
+
+One round (`_step`), after a prefill that ran the target over the prompt and chose the first token:
+
+  1. extend the draft with what the target committed last round: the taps of those positions with
+     the tokens that follow them (docs/ARCHITECTURE.md "Token alignment");
+  2. draft a chain of K tokens, or a tree (top-k children per depth, the best top-k expanded,
+     pruned to `budget` nodes by cumulative log-prob: EAGLE-2);
+  3. verify all of it in ONE target forward with the tree attention mask; acceptance.py decides
+     (greedy: exact; sampling: lossless);
+  4. commit the accepted path in both KV caches (runners.py: slot caches, nothing to roll back).
+
+`generate_plain` (and `generate` without a draft) runs the same engine one target step per token:
+the baseline speculation is measured against.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .acceptance import (SamplingParams, logits_to_probs, verify_chain_greedy, verify_chain_sampling,
+                         verify_tree_greedy, verify_tree_sampling)
+from .errors import UsageError
+from .runners import DraftRunner, TargetRunner
+from .targets import compare_fingerprints
+from .tree import DraftTree, expand, frontier_attention, prune, root_frontier, tree_attention
+
+MODES = ("chain", "tree")
+GREEDY = SamplingParams()
+# Fingerprint fields a draft can differ in and still run (a fine-tuned or re-quantized target, another
+# chat template): a warning, an error with strict. Any other difference is always an error.
+SOFT_FIELDS = ("weights_hash", "chat_template_hash", "architecture", "model_type", "tokenizer_hash")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+    """What one round drafts: a chain of K tokens, or a tree of `depth` levels, `topk` children per
+    expanded node and `topk` nodes expanded per level, pruned to `budget` draft tokens."""
+
+    mode: str = "chain"
+    K: int = 7
+    depth: int = 6
+    topk: int = 8
+    budget: int = 63
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise UsageError(f"decoding mode must be one of {list(MODES)}, got {self.mode!r}")
+        for name in ("K", "depth", "topk", "budget"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UsageError(f"speculative decoding: {name} must be an integer >= 1, got {v!r}")
+
+    @property
+    def levels(self) -> int:
+        """Draft positions per round: the deepest a round can accept."""
+        return self.K if self.mode == "chain" else self.depth
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens only, truncated at EOS (included) and max_new_tokens
+    num_steps: int  # target forwards after the prefill (verification steps when speculating)
+    accepted_per_step: list[int]  # draft tokens accepted per verification step (bonus excluded)
+    acceptance_by_position: list[float]  # fraction of steps whose draft token at position i was accepted
+    timings: dict[str, float] = field(default_factory=dict)
+    stop: str = "length"  # "eos" or "length"
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verification step, the bonus token included (as SGLang and vLLM report it)."""
+        n = len(self.accepted_per_step)
+        return (sum(self.accepted_per_step) + n) / n if n else float("nan")
+
+
+def check_pair(target, draft, meta, strict: bool = False) -> list[str]:
+    """Raise UsageError if the draft cannot run on the target; return the softer differences."""
+    where = f"draft {meta.path}"
+    c, tcfg = draft.config, target.config
+    if meta.contract.num_layers != target.num_layers:
+        raise UsageError(f"{where} reads taps {list(meta.contract.taps)} of a {meta.contract.num_layers}-layer "
+                         f"target, but target {target.spec} has {target.num_layers} layers: wrong target for "
+                         "this draft")
+    for name, want, found in (("target_hidden_size", c.target_hidden_size, tcfg.hidden_size),
+                              ("vocab_size", c.vocab_size, tcfg.vocab_size)):
+        if want != found:
+            raise UsageError(f"{where}: draft.{name} is {want} but target {target.spec} has {found}: "
+                             "wrong target for this draft")
+    soft = []
+    for key, want in meta.target.items():
+        for line in compare_fingerprints({key: want}, target.fingerprint, where):
+            if key not in SOFT_FIELDS:
+                raise UsageError(f"{line}: wrong target for this draft")
+            soft.append(line)
+    if soft and strict:
+        raise UsageError(soft[0] + " (strict: a fingerprint mismatch is an error)")
+    return soft
+
+
+class SpecDecoder:
+    """Speculative decoding with an EAGLE-3 draft (or, draft=None, plain decoding on the same engine).
+
+    dec = SpecDecoder(target, draft, meta, mode="tree", depth=6, topk=8, budget=63)
+    res = dec.generate(input_ids, 256, SamplingParams(temperature=0), eos_ids=[2], stream=print)
+
+    static_shapes pads every step to fixed sizes over the whole cache, as CUDA graphs need (on by
+    itself with cuda_graphs; on a CPU it checks that logic). device/dtype move the target (and the
+    draft follows the target).
+    """
+
+    def __init__(self, target, draft=None, meta=None, *, mode: str = "chain", K: int = 7, depth: int = 6,
+                 topk: int = 8, budget: int = 63, device=None, dtype=None, cuda_graphs: bool = False,
+                 static_shapes: bool = False, strict: bool = False):
+        self.spec = SpecConfig(mode=mode, K=K, depth=depth, topk=topk, budget=budget)
+        self.target, self.draft = target, draft
+        if device is not None or dtype is not None:
+            target.model.to(device=device, dtype=dtype)
+        p = next(target.model.parameters())
+        self.device, self.vocab = p.device, target.config.vocab_size
+        if cuda_graphs and p.device.type != "cuda":
+            raise UsageError(f"CUDA graphs need the target on a CUDA device, it is on {p.device}")
+        self.context = getattr(target.config, "max_position_embeddings", None)
+        graphs = dict(static=static_shapes, cuda_graphs=cuda_graphs)
+        self.plain = TargetRunner(target.model, None, sizes=(1,), **graphs)
+        self.warnings: list[str] = []
+        if draft is None:
+            return
+        if meta is None:
+            raise UsageError("SpecDecoder: a draft needs its checkpoint metadata (load_draft returns both)")
+        self.warnings = check_pair(target, draft, meta, strict)
+        for w in self.warnings:
+            warnings.warn(w, stacklevel=2)
+        s = self.spec
+        if s.mode == "tree" and s.topk > draft.config.draft_vocab_size:
+            raise UsageError(f"--topk {s.topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size} tokens)")
+        draft.to(device=p.device, dtype=p.dtype).eval()
+        self.draft_ids = torch.arange(draft.config.draft_vocab_size, device=p.device) + draft.d2t  # -> target id
+        verify = s.K + 1 if s.mode == "chain" else s.budget + 1
+        self.verifier = TargetRunner(target.model, meta.contract, sizes=(verify,), **graphs)
+        if s.mode == "chain":  # extends of up to K+1 rows, then single steps
+            sizes, pending = (1, s.K + 1), s.K - 1
+        else:  # extends of up to depth+1 rows, then frontiers of topk
+            sizes, pending = (s.topk, s.depth + 1), (s.depth - 1) * s.topk
+        self.drafter = DraftRunner(draft, sizes=sizes, max_pending=pending, **graphs)
+
+    # -- entry points ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int, sampling: SamplingParams = GREEDY, eos_ids=(),
+                 stream=None, seed: int | None = None) -> GenerationResult:
+        """New tokens for a prompt (P,) or (1, P); stream(list of new ids) is called once per step."""
+        if self.draft is None:
+            return self.generate_plain(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
+        ids, gen, out = self._start(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
+        for run in (self.verifier, self.drafter):
+            run.reset(len(ids) + max_new_tokens)
+        logits, taps = self.verifier.prefill(ids)
+        out.add([self._choose(logits, sampling, gen)])
+        feed = (taps, torch.cat([ids[1:], out.last_tensor(self.device)]))  # taps[t] goes with token t+1
+        accepted = []
+        while not out.done:
+            path, tokens, feed = self._step(out.tokens[-1], feed, sampling, gen)
+            accepted.append(len(path))
+            out.add(tokens)
+        return out.result(accepted, self.spec.levels)
+
+    @torch.no_grad()
+    def generate_plain(self, input_ids, max_new_tokens: int, sampling: SamplingParams = GREEDY, eos_ids=(),
+                       stream=None, seed: int | None = None) -> GenerationResult:
+        """No speculation: one target step per token, same caches, masks and CUDA graphs."""
+        ids, gen, out = self._start(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
+        run = self.plain
+        run.reset(len(ids) + max_new_tokens)
+        logits, = run.prefill(ids)
+        out.add([self._choose(logits, sampling, gen)])
+        one = torch.ones(1, 1, dtype=torch.bool)
+        while not out.done:
+            logits, = run.forward({"ids": out.last_tensor(self.device)}, torch.tensor([run.length]), one)
+            run.commit(1)
+            out.add([self._choose(logits[0], sampling, gen)])
+        return out.result(None, 0)
+
+    # -- one round ---------------------------------------------------------------------------------
+    def _step(self, root: int, feed, sampling: SamplingParams, gen):
+        """Extend the draft, draft, verify in one target forward, commit. Returns (accepted node
+        indices, committed tokens (accepted + 1 more), (taps, next tokens) for the next extend)."""
+        taps, next_ids = feed
+        n = len(next_ids)
+        d = self.drafter
+        logits, hidden = d.forward({"ids": next_ids, "taps": taps}, d.length + torch.arange(n),
+                                   torch.ones(n, n, dtype=torch.bool).tril())
+        d.commit(n)
+        draft = self._draft_chain if self.spec.mode == "chain" else self._draft_tree
+        tree, q = draft(logits[-1], hidden[-1], d.length - 1, sampling, gen)
+        d.commit(0)  # the draft's own speculative rows are never kept: the next extend rewrites them
+
+        v = self.verifier
+        block, rel = tree_attention(tree, 0)  # (1, 1, n+1, n+1) over [root] + nodes, depth offsets
+        logits, taps = v.forward({"ids": torch.cat([tree.tokens.new_tensor([root]), tree.tokens])},
+                                 v.length + rel, block[0, 0])
+        path, nxt = self._accept(tree, q, logits, sampling, gen)
+        rows = [0] + [1 + i for i in path]
+        v.commit(rows)
+        tokens = tree.tokens[path].tolist() + [nxt]
+        return path, tokens, (taps[rows], torch.tensor(tokens, device=self.device))
+
+    def _accept(self, tree: DraftTree, q, logits, sampling: SamplingParams, gen) -> tuple[list[int], int]:
+        """acceptance.py's verdict: (accepted node indices, next token)."""
+        chain = self.spec.mode == "chain"
+        if sampling.greedy:
+            if chain:
+                n, nxt = verify_chain_greedy(tree.tokens, logits)
+                return list(range(n)), nxt
+            return verify_tree_greedy(tree, logits)
+        probs = logits_to_probs(logits, sampling)
+        if chain:
+            n, nxt = verify_chain_sampling(tree.tokens, q, probs, generator=gen)
+            return list(range(n)), nxt
+        return verify_tree_sampling(tree, probs, generator=gen)
+
+    # -- drafting ----------------------------------------------------------------------------------
+    def _draft_chain(self, logits, hidden, root_pos: int, sampling, gen):
+        """K tokens, each fed back with the draft's own hidden state. Returns (chain, q (K, V) or None):
+        greedy takes the draft's argmax; sampling draws from the draft's distribution (its q goes to
+        the verifier)."""
+        tokens, qs = [], []
+        for i in range(self.spec.K):
+            if i:  # token i-1 at position root_pos + i, seeing the round's earlier draft rows
+                logits, hidden = self.drafter.forward({"ids": tokens[-1], "hidden": hidden[None]},
+                                                      torch.tensor([root_pos + i]), torch.ones(1, i, dtype=torch.bool))
+                logits, hidden = logits[0], hidden[0]
+            if sampling.greedy:
+                tokens.append(self.draft_ids[logits.argmax()].view(1))
+                continue
+            qd = logits_to_probs(logits, sampling)  # (Vd,) over the draft vocabulary
+            tokens.append(self.draft_ids[torch.multinomial(qd, 1, generator=gen)])
+            qs.append(torch.zeros(self.vocab, device=self.device).index_copy_(0, self.draft_ids, qd))
+        q = torch.stack(qs) if qs else None
+        return DraftTree.chain(torch.cat(tokens)), q
+
+    def _draft_tree(self, logits, hidden, root_pos: int, sampling, gen):
+        """EAGLE-2: top-k children of each frontier node, the best top-k (cumulative log-prob) form the
+        next frontier; `depth` levels, then pruned to `budget`. Candidates are deterministic: the
+        verifier's tree rule needs no q."""
+        s, d = self.spec, self.drafter
+        tree, frontier = DraftTree.empty(self.device), root_frontier(self.device)
+        node_hidden = hidden.new_zeros(s.topk + (s.depth - 1) * s.topk * s.topk, hidden.shape[-1])
+        cached = torch.zeros(0, dtype=torch.long, device=self.device)  # nodes in the draft cache, in order
+        logp = logits.float().log_softmax(-1)[None]  # (F, Vd), F = 1: the root
+        for level in range(s.depth):
+            top, idx = logp.topk(s.topk, dim=-1)  # (F, k)
+            tree, frontier = expand(tree, frontier, self.draft_ids[idx], top, s.topk)
+            if level == s.depth - 1:
+                break
+            parents = tree.parents[frontier]
+            h_in = torch.where((parents < 0)[:, None], hidden, node_hidden[parents.clamp(min=0)])  # (F, H)
+            mask, pos = frontier_attention(tree, frontier, cached, 0, root_pos)
+            logits, h = d.forward({"ids": tree.tokens[frontier], "hidden": h_in}, pos, mask[0, 0])
+            node_hidden[frontier] = h
+            cached = torch.cat([cached, frontier])
+            logp = logits.float().log_softmax(-1)
+        return prune(tree, s.budget), None
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _start(self, input_ids, max_new_tokens, sampling, eos_ids, stream, seed):
+        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(self.device)
+        if ids.numel() == 0:
+            raise UsageError("the prompt is empty: give at least one token (e.g. --prompt TEXT)")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
+            raise UsageError(f"prompt token ids must lie in 0..{self.vocab - 1} (the target's vocabulary), "
+                             f"got {int(ids.min())}..{int(ids.max())}")
+        if self.context and len(ids) + max_new_tokens > self.context:
+            raise UsageError(f"the prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                             f"target's context of {self.context} tokens (max_position_embeddings): use "
+                             f"--max-new-tokens <= {max(self.context - len(ids), 0)} or a shorter prompt")
+        if not isinstance(sampling, SamplingParams):
+            raise UsageError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(self.device).manual_seed(seed)
+        return ids, gen, _Output(max_new_tokens, set(eos_ids or ()), stream)
+
+    @staticmethod
+    def _choose(logits, sampling: SamplingParams, gen) -> int:
+        """The target's own next token from (V,) logits."""
+        if sampling.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(logits_to_probs(logits, sampling), 1, generator=gen))
+
+
+class _Output:
+    """Collects tokens, stops at EOS or max_new_tokens, streams, and builds the result."""
+
+    def __init__(self, max_new: int, eos: set[int], stream):
+        self.max_new, self.eos, self.stream = max_new, eos, stream
+        self.tokens: list[int] = []
+        self.stop = None
+        self.t0 = time.perf_counter()
+        self.t_first = None
+
+    @property
+    def done(self) -> bool:
+        return self.stop is not None
+
+    def last_tensor(self, device) -> torch.Tensor:
+        return torch.tensor(self.tokens[-1:], device=device)
+
+    def add(self, new: list[int]) -> None:
+        keep = []
+        for t in new:
+            keep.append(t)
+            if t in self.eos:
+                self.stop = "eos"
+                break
+            if len(self.tokens) + len(keep) >= self.max_new:
+                self.stop = "length"
+                break
+        self.tokens += keep
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        if self.stream and keep:
+            self.stream(keep)
+
+    def result(self, accepted: list[int] | None, levels: int) -> GenerationResult:
+        end = time.perf_counter()
+        decode_s = end - self.t_first
+        steps = len(accepted) if accepted is not None else len(self.tokens) - 1
+        by_pos = [sum(a > i for a in accepted) / len(accepted) for i in range(levels)] if accepted else []
+        timings = {"prefill_s": self.t_first - self.t0, "decode_s": decode_s, "total_s": end - self.t0,
+                   "decode_tokens_per_s": (len(self.tokens) - 1) / decode_s if decode_s > 0 else float("nan"),
+                   "step_ms": 1e3 * decode_s / steps if steps else float("nan")}
+        return GenerationResult(tokens=self.tokens, num_steps=steps, accepted_per_step=list(accepted or []),
+                                acceptance_by_position=by_pos, timings=timings, stop=self.stop)

@@ -1,0 +1,180 @@
+"""`eaglewire generate`: one prompt or conversation through `SpecDecoder`, streamed to stdout.
+
+The text goes to stdout as it is verified; a one-line summary (tokens, speed, acceptance length)
+goes to stderr. `--no-spec` runs the same engine without the draft.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from .errors import UsageError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TREE_DEFAULTS = {"depth": 6, "topk": 8, "budget": 63}
+CHAIN_DEFAULT = 7
+
+
+def eos_ids(target) -> list[int]:
+    """End-of-sequence ids from the tokenizer and the generation config, de-duplicated."""
+    ids = []
+    for v in (getattr(target.tokenizer, "eos_token_id", None),
+              getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
+        ids += v if isinstance(v, list) else [v]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def read_messages(path: str) -> list[dict]:
+    """A conversation from FILE: a JSON list of {role, content}, or the first record of any prompt file."""
+    from .prompts import ROLES, load_conversations
+
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text())
+    except (OSError, ValueError):
+        obj = None
+    if isinstance(obj, list) and obj and all(isinstance(m, dict) and "role" in m for m in obj):
+        bad = [m.get("role") for m in obj if m.get("role") not in ROLES or not isinstance(m.get("content"), str)]
+        if bad:
+            roles = ", ".join(sorted(set(ROLES.values())))
+            raise UsageError(f"--messages {path}: every message needs a role ({roles}) and a string content; "
+                             f"found role(s) {bad[:3]}")
+        messages = [{"role": ROLES[m["role"]], "content": m["content"]} for m in obj]
+    else:
+        messages = load_conversations(p, need_assistant=False, limit=1).conversations[0]
+    if messages[-1]["role"] == "assistant":
+        raise UsageError(f"--messages {path}: the conversation ends with an assistant turn; end it with the user "
+                         "turn the model should answer")
+    return messages
+
+
+def encode(tokenizer, *, prompt: str | None = None, messages: list[dict] | None = None,
+           raw: bool = False) -> torch.Tensor:
+    """Prompt ids (P,): under the chat template (generation prompt added) unless raw or there is none."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if messages is None and (raw or not has_template):
+        return torch.tensor(tokenizer(prompt).input_ids, dtype=torch.long)
+    if not has_template:
+        raise UsageError("--messages needs a chat template, and the target's tokenizer has none: use --prompt "
+                         "(plain text) or an instruct/chat model")
+    messages = messages or [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template already wrote the special tokens (BOS, turn markers).
+    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive; holds back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
+
+    def __call__(self, new: list[int]) -> None:
+        self.ids += new
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+    def close(self) -> None:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        self.out.write(text[self.shown:] + "\n")
+        self.out.flush()
+
+
+def draft_shape(args) -> dict:
+    """SpecDecoder keywords from --chain K | --tree --depth --topk --budget."""
+    tree_flags = [f"--{k}" for k in TREE_DEFAULTS if getattr(args, k) is not None]
+    if not args.tree:
+        if tree_flags:
+            raise UsageError(f"{', '.join(tree_flags)} shape a tree: add --tree (or drop them for a chain)")
+        return {"mode": "chain", "K": args.chain if args.chain is not None else CHAIN_DEFAULT}
+    return {"mode": "tree", **{k: getattr(args, k) if getattr(args, k) is not None else v
+                               for k, v in TREE_DEFAULTS.items()}}
+
+
+def cmd_generate(args) -> int:
+    from . import targets
+    from .acceptance import SamplingParams
+    from .decode import SpecConfig, SpecDecoder
+
+    shape = draft_shape(args)
+    SpecConfig(**shape)  # bad shapes fail before anything loads
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.draft is None and not args.no_spec:
+        raise UsageError("--draft CKPT is required (or --no-spec to decode with the target alone)")
+    messages = read_messages(args.messages) if args.messages else None
+    if args.prompt is not None and not args.prompt.strip():
+        raise UsageError("--prompt is empty: give the text to continue or answer")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    target = targets.load_target(args.target, dtype=dtype, device=device)
+    draft = meta = None
+    if not args.no_spec:
+        from .checkpoint import load_draft
+
+        draft, meta = load_draft(args.draft, device=device, dtype=next(target.model.parameters()).dtype)
+    ids = encode(target.tokenizer, prompt=args.prompt, messages=messages, raw=args.raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # printed below, one line each
+        dec = SpecDecoder(target, draft, meta, **shape, strict=args.strict,
+                          cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs)
+    for w in dec.warnings:
+        print(f"eaglewire generate: warning: {w}", file=sys.stderr)
+    stream = TextStream(target.tokenizer)
+    res = dec.generate(ids, args.max_new_tokens, sampling, eos_ids(target), stream=stream, seed=args.seed)
+    stream.close()
+    print(summary(res, shape if draft is not None else None), file=sys.stderr)
+    return 0
+
+
+def summary(res, shape: dict | None) -> str:
+    t = res.timings
+    line = (f"eaglewire generate: {len(res.tokens)} tokens ({res.stop}), prefill {t['prefill_s'] * 1e3:.0f} ms, "
+            f"decode {t['decode_tokens_per_s']:.1f} tok/s, {res.num_steps} target steps")
+    if shape is None:
+        return line + ", no speculation"
+    what = f"chain K={shape['K']}" if shape["mode"] == "chain" else \
+        f"tree depth={shape['depth']} topk={shape['topk']} budget={shape['budget']}"
+    return line + f", acceptance length {res.acceptance_length:.2f} ({what})"
+
+
+def register(sub) -> None:
+    from .commands import add_target_arg
+
+    p = sub.add_parser("generate", help="generate with the target and an EAGLE-3 draft (speculative decoding)")
+    add_target_arg(p, required=False)
+    p.add_argument("--draft", default=None, metavar="CKPT", help="native draft checkpoint directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="a user message (chat template applied if the model has one)")
+    src.add_argument("--messages", metavar="FILE", help="a conversation: a JSON list of {role, content}, or the "
+                     "first record of a ShareGPT / OpenAI-messages / prompt file")
+    p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    g = p.add_argument_group("drafting (default: a chain of 7)")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--chain", type=int, default=None, metavar="K", help="a chain of K draft tokens per step")
+    shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
+    g.add_argument("--depth", type=int, default=None, help=f"tree depth (default {TREE_DEFAULTS['depth']})")
+    g.add_argument("--topk", type=int, default=None, help=f"children per node (default {TREE_DEFAULTS['topk']})")
+    g.add_argument("--budget", type=int, default=None,
+                   help=f"draft tokens verified per step (default {TREE_DEFAULTS['budget']})")
+    g.add_argument("--no-spec", action="store_true", help="no draft: the same engine, one target step per token")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--strict", action="store_true", help="a target fingerprint mismatch is an error, not a warning")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="on CUDA, run every step eagerly")
+    p.set_defaults(func=cmd_generate)

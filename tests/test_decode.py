@@ -1,0 +1,455 @@
+"""SpecDecoder and its slot runners on tiny random models (fp32, CPU).
+
+Greedy speculative output must equal target-only greedy output token for token (a full forward
+per token, no cache: the reference shares no code with the decoder); sampling must be lossless
+(chi-square against the target's exact marginals, with negative controls that a broken verifier
+fails). Drafts: random (acceptance ~0), trained a few steps on the target's own continuations
+(acceptance between 0 and 100%), and that one perturbed.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import eaglewire.decode as decode
+from eaglewire.acceptance import SamplingParams, logits_to_probs
+from eaglewire.capture import capture, no_hooks_left
+from eaglewire.checkpoint import load_draft, save_draft
+from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.errors import UsageError
+from eaglewire.runners import DraftRunner, SlotRunner, TargetRunner
+from eaglewire.targets import Target, fingerprint
+from eaglewire.taps import TapContract
+from eaglewire.vocab import target_to_draft_ids
+from tiny import tiny_model
+
+CONTRACT = TapContract(8, (2, 4, 8))  # tap 8: the last layer's output, through the post-hook
+CHAIN = dict(mode="chain", K=4)
+TREE = dict(mode="tree", depth=4, topk=3, budget=10)
+
+
+def as_target(model, spec="tiny") -> Target:
+    return Target(spec=spec, model=model, tokenizer=None, fingerprint=fingerprint(model))
+
+
+def save_load(draft, contract, target, path):
+    save_draft(draft, path, contract=contract, target_fingerprint=target.fingerprint)
+    return load_draft(path)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and the test machine's cores are shared)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def new_draft(model, contract=CONTRACT, draft_vocab=None, seed=0):
+    torch.manual_seed(seed)
+    cfg = model.config
+    if cfg.model_type == "gpt2":  # DraftConfig.for_target reads intermediate_size, which GPT-2 configs lack
+        c = DraftConfig(hidden_size=cfg.n_embd, intermediate_size=64, num_attention_heads=cfg.n_head,
+                        vocab_size=cfg.vocab_size, num_taps=len(contract.taps), draft_vocab_size=draft_vocab)
+    else:
+        c = DraftConfig.for_target(cfg, num_taps=len(contract.taps), draft_vocab_size=draft_vocab)
+    d = Eagle3Draft(c)
+    d.load_target_embedding(model.get_input_embeddings().weight)
+    return d
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt, n) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor(ids)[None]).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def fit(draft, model, contract, seqs, steps):
+    """A few Adam steps: the draft at t (taps[t], token t+1) learns the target's argmax at t+1."""
+    data = []
+    to_draft = target_to_draft_ids(draft.d2t, draft.config.vocab_size)
+    with torch.no_grad():
+        for s in seqs:
+            cap = capture(model, s[None], contract, logits=True)
+            data.append((s, cap.taps[0], to_draft[cap.logits[0].argmax(-1)]))
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    for step in range(steps):
+        loss = 0
+        for s, taps, label in data:
+            t = len(s) - 2
+            logits, _ = draft(s[None, 1:t + 1], draft.fuse(taps[None, :t]), torch.arange(t)[None])
+            loss = loss + torch.nn.functional.cross_entropy(logits[0], label[1:t + 1], ignore_index=-1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return as_target(tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def seqs(llama):
+    """Greedy continuations of random prompts: the draft's training data and the 'familiar' prompts."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(6):
+        p = torch.randint(0, 128, (4,), generator=g)
+        out.append(torch.cat([p, torch.tensor(reference_greedy(llama.model, p.tolist(), 36))]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafts(llama, seqs, tmp_path_factory):
+    """name -> (draft, meta): random, trained, trained+noise."""
+    root = tmp_path_factory.mktemp("drafts")
+    m = llama.model
+    out = {"random": save_load(new_draft(m), CONTRACT, llama, root / "random")}
+    trained = fit(new_draft(m), m, CONTRACT, seqs, steps=60)
+    out["trained"] = save_load(trained, CONTRACT, llama, root / "trained")
+    with torch.no_grad():
+        for p in trained.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * p.std() * torch.randn_like(p))
+    out["perturbed"] = save_load(trained, CONTRACT, llama, root / "perturbed")
+    return out
+
+
+def prompts(seqs):
+    g = torch.Generator().manual_seed(7)
+    return [s[:4].tolist() for s in seqs[:3]] + [torch.randint(0, 128, (n,), generator=g).tolist() for n in (1, 5, 9)]
+
+
+# --- runners --------------------------------------------------------------------------------------
+
+def tree_block(parents):
+    """(n, n) bool: row i sees itself and its ancestors (parents[i] < i, -1 for none)."""
+    block = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            block[i, j], j = True, parents[j]
+    return block
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "deepseek_v3", "gemma", "multimodal", "llama-eager"])
+@pytest.mark.parametrize("static", [False, True])
+def test_target_runner_matches_full_forward(family, static):
+    """Prefill, a tree block with branches, a kept branch, then more tokens: logits and taps equal
+    a plain forward over each path (transformers' own masks, no cache)."""
+    m = tiny_model(family.split("-")[0])
+    if family.endswith("eager"):
+        m.set_attn_implementation("eager")
+    r = TargetRunner(m, CONTRACT, static=static, cuda_graphs=False, sizes=(1, 4, 8))
+    r.reset(32)
+    prompt = [5, 17, 99, 3, 42, 7]
+
+    def ref(seq):
+        cap = capture(m, torch.tensor(seq)[None], CONTRACT, logits=True)
+        return cap.logits[0], cap.taps[0]
+
+    with no_hooks_left(m):
+        logits, taps = r.prefill(torch.tensor(prompt))
+    L, T = ref(prompt)
+    torch.testing.assert_close(logits, L[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(taps, T, atol=1e-5, rtol=1e-5)
+    # [root 10] -> 11 -> 13, and 12 under the root: rows see their ancestors only
+    logits, taps = r.forward({"ids": torch.tensor([10, 11, 12, 13])}, r.length + torch.tensor([0, 1, 1, 2]),
+                             tree_block([-1, 0, 0, 1]))
+    for row, path in enumerate([[10], [10, 11], [10, 12], [10, 11, 13]]):
+        L, T = ref(prompt + path)
+        torch.testing.assert_close(logits[row], L[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(taps[row], T[-1], atol=1e-5, rtol=1e-5)
+    r.commit([0, 2])  # keep 10, 12: slot of 12 copied down over 11's
+    logits, _ = r.forward({"ids": torch.tensor([20, 21])}, r.length + torch.arange(2),
+                          torch.ones(2, 2, dtype=torch.bool).tril())
+    torch.testing.assert_close(logits, ref(prompt + [10, 12, 20, 21])[0][-2:], atol=1e-5, rtol=1e-5)
+    assert r.length == 8 and r.pending == 2
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_draft_runner_matches_uncached_draft(llama, static):
+    d = new_draft(llama.model, draft_vocab=100)
+    seq, taps = torch.randint(0, 128, (12,)), torch.randn(12, 96)
+    full, _ = d(seq[None], d.fuse(taps[None]), torch.arange(12)[None])
+    r = DraftRunner(d, static=static, cuda_graphs=False, sizes=(1, 4), max_pending=4)
+    r.reset(32)
+    logits, h = r.forward({"ids": seq[:8], "taps": taps[:8]}, torch.arange(8),
+                          torch.ones(8, 8, dtype=torch.bool).tril())
+    r.commit(8)
+    torch.testing.assert_close(logits, full[0, :8], atol=1e-5, rtol=1e-5)
+    # a speculative step on the draft's own hidden state, then dropped: the extend after it is unaffected
+    step, _ = r.forward({"ids": seq[8:9], "hidden": h[-1:]}, torch.tensor([8]), torch.ones(1, 1, dtype=torch.bool))
+    own, _ = d(seq[None, :9], torch.cat([d.fuse(taps[None, :8]), h[None, -1:]], 1), torch.arange(9)[None])
+    torch.testing.assert_close(step, own[0, -1:], atol=1e-5, rtol=1e-5)
+    r.commit(0)
+    logits, _ = r.forward({"ids": seq[8:11], "taps": taps[8:11]}, torch.arange(8, 11),
+                          torch.ones(3, 3, dtype=torch.bool).tril())
+    torch.testing.assert_close(logits, full[0, 8:11], atol=1e-5, rtol=1e-5)
+
+
+# --- greedy: token for token ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("static", [False, True], ids=["exact", "static"])
+def test_greedy_equals_target_greedy(llama, seqs, drafts, shape, static):
+    """Trained and perturbed drafts: every prompt's output equals target-only greedy, and the
+    acceptance is neither 0 nor 100%, so accepted, rejected and bonus paths all ran."""
+    accepted = []
+    for name in ("trained", "perturbed"):
+        dec = decode.SpecDecoder(llama, *drafts[name], static_shapes=static, **shape)
+        for p in prompts(seqs):
+            res = dec.generate(p, 32)
+            assert res.tokens == reference_greedy(llama.model, p, 32), (name, p)
+            accepted += res.accepted_per_step
+    levels = shape.get("K") or shape["depth"]
+    assert 0 in accepted and max(accepted) == levels  # full rejections and fully accepted rounds
+    assert 1.3 < (sum(accepted) + len(accepted)) / len(accepted) < levels + 1
+
+
+@pytest.mark.parametrize("shape", [dict(mode="chain", K=1), dict(mode="chain", K=9),
+                                   dict(mode="tree", depth=1, topk=4, budget=4),
+                                   dict(mode="tree", depth=5, topk=2, budget=3),
+                                   dict(mode="tree", depth=3, topk=5, budget=40)],
+                         ids=["K1", "K9", "depth1", "budget3", "budget40"])
+def test_greedy_edge_shapes(llama, seqs, drafts, shape):
+    dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    for p in prompts(seqs)[:4]:
+        assert dec.generate(p, 24).tokens == reference_greedy(llama.model, p, 24)
+
+
+def test_random_draft_and_plain_decoding(llama, seqs, drafts):
+    dec = decode.SpecDecoder(llama, *drafts["random"], **TREE)
+    for p in prompts(seqs)[3:]:
+        ref = reference_greedy(llama.model, p, 24)
+        assert dec.generate(p, 24).tokens == ref
+        plain = dec.generate_plain(p, 24)
+        assert plain.tokens == ref and plain.num_steps == 23 and plain.accepted_per_step == []
+    no_draft = decode.SpecDecoder(llama, static_shapes=True)
+    assert no_draft.generate(p, 24).tokens == ref  # generate without a draft = plain decoding
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt2"])
+def test_greedy_other_families(family, tmp_path):
+    """qwen3 (q/k norms, head_dim override) and gpt2 (learned positions: generating up to the end of
+    its 32-position table, the last verify runs past it, clamped; those rows are never used)."""
+    import transformers as tf
+
+    torch.manual_seed(3)
+    m = tiny_model("qwen3", seed=3) if family == "qwen3" else tf.GPT2LMHeadModel(tf.GPT2Config(
+        vocab_size=128, n_embd=32, n_layer=8, n_head=4, n_positions=32)).eval()
+    t = as_target(m)
+    d, meta = save_load(new_draft(m), CONTRACT, t, tmp_path / "d")
+    p = [3, 1, 4, 1, 5]
+    ref = reference_greedy(m, p, 27)
+    for shape in (CHAIN, TREE):
+        dec = decode.SpecDecoder(t, d, meta, static_shapes=True, **shape)
+        assert dec.generate(p, 27).tokens == ref
+
+
+def test_fake_cuda_graphs_replay_static_buffers(llama, seqs, drafts, monkeypatch):
+    """The graph path's plumbing on a CPU: capture runs once, replay re-runs into the SAME output
+    tensors (as a CUDA graph does), so a missing input copy or a stale output would show."""
+    captured = []
+
+    def fake_capture(self, fn):
+        out = fn()
+        captured.append(type(self).__name__)
+
+        def replay():
+            for o, new in zip(out, fn()):
+                o.copy_(new)
+        return replay, out
+
+    monkeypatch.setattr(SlotRunner, "_capture", fake_capture)
+    for shape in (CHAIN, TREE):
+        dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+        for r in (dec.verifier, dec.drafter, dec.plain):
+            r.cuda_graphs = True
+        for p in prompts(seqs)[2:5]:  # 4, 1 and 5 (= K+1: a prefill the size of a graph) tokens
+            ref = reference_greedy(llama.model, p, 24)
+            assert dec.generate(p, 24).tokens == ref
+            assert dec.generate_plain(p, 24).tokens == ref
+    # per decoder: one verify graph and one plain graph; the draft's extends (taps) and steps (hidden)
+    assert captured.count("TargetRunner") == 4 and captured.count("DraftRunner") >= 4
+
+
+# --- stopping, streaming, accounting --------------------------------------------------------------
+
+def test_eos_max_tokens_and_stream(llama, seqs, drafts):
+    dec = decode.SpecDecoder(llama, *drafts["trained"], **CHAIN)
+    p = seqs[0][:4].tolist()
+    ref = reference_greedy(llama.model, p, 30)
+    eos = ref[12]
+    chunks = []
+    res = dec.generate(p, 30, eos_ids=[eos], stream=chunks.append)
+    assert res.tokens == ref[:ref.index(eos) + 1] and res.stop == "eos"
+    assert [t for c in chunks for t in c] == res.tokens
+    res = dec.generate(p, 7)
+    assert res.tokens == ref[:7] and res.stop == "length"
+    # accounting: the first token comes from the prefill, each step commits accepted + 1 (then truncated)
+    res = dec.generate(p, 30)
+    assert len(res.tokens) == min(30, 1 + sum(a + 1 for a in res.accepted_per_step))
+    assert res.acceptance_length == pytest.approx(1 + sum(res.acceptance_by_position))
+    assert len(res.acceptance_by_position) == 4 and res.num_steps == len(res.accepted_per_step)
+    assert res.timings["decode_s"] > 0 and res.timings["step_ms"] > 0
+
+
+# --- sampling: lossless ---------------------------------------------------------------------------
+
+V = 8  # a small vocabulary: enough samples per cell for a chi-square test in seconds
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 2-layer target over 8 tokens with peaked distributions, and a draft over 6 of them (two
+    target tokens it can never propose) trained a little towards the target's argmax: its q overlaps
+    p without equalling it, so accepts, rejections and residual draws all happen."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    m = tf.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(20)
+    t = as_target(m)
+    contract = TapContract(2, (0, 1, 2))
+    d = new_draft(m, contract, draft_vocab=6)
+    d.set_vocab(torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([1, 1, 0, 1, 1, 0, 1, 1], dtype=torch.bool))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, V, (12,), generator=g) for _ in range(6)]
+    fit(d, m, contract, seqs, steps=30)
+    return t, *save_load(d, contract, t, tmp_path_factory.mktemp("small") / "d")
+
+
+@torch.no_grad()
+def exact_marginals(model, prompt, sampling, n):
+    """P(token i = v) for i < n under the target's sampling distribution, by enumerating prefixes."""
+    prefixes, weights, out = [list(prompt)], torch.ones(1), []
+    for _ in range(n):
+        logits = model(torch.tensor(prefixes)).logits[:, -1]
+        probs = logits_to_probs(logits, sampling) * weights[:, None]  # (prefixes, V) joint
+        out.append(probs.sum(0))
+        prefixes = [p + [v] for p in prefixes for v in range(V)]
+        weights = probs.reshape(-1)
+    return out
+
+
+def chi2_pvalue(counts, probs):
+    n = counts.sum()
+    keep = probs * n >= 5  # cells too small for the chi-square approximation are pooled
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([probs[keep], probs[~keep].sum()[None]]) * n
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2), stat / 2))
+
+
+def sample_counts(dec, prompt, sampling, n_tokens, trials):
+    """(n_tokens, V) counts of the first generated tokens over `trials` seeds, and the accepted counts."""
+    counts, accepted = torch.zeros(n_tokens, V), []
+    for seed in range(trials):
+        res = dec.generate(prompt, n_tokens, sampling, seed=seed)
+        accepted += res.accepted_per_step
+        for i, tok in enumerate(res.tokens):
+            counts[i, tok] += 1
+    return counts, accepted
+
+
+SAMPLINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
+
+
+@pytest.mark.parametrize("shape", [dict(mode="chain", K=2), dict(mode="tree", depth=2, topk=2, budget=4)],
+                         ids=["chain", "tree"])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-k5-p0.9"])
+def test_sampling_is_lossless(small, shape, sampling):
+    """Tokens 2 and 3 come out of verification steps; their marginals must be the target's."""
+    t, d, meta = small
+    prompt = [1, 5, 2]
+    exact = exact_marginals(t.model, prompt, sampling, 3)
+    dec = decode.SpecDecoder(t, d, meta, **shape)
+    counts, accepted = sample_counts(dec, prompt, sampling, 3, trials=600)
+    assert 0 < sum(accepted) / len(accepted) < 1.5  # drafts accepted and rejected
+    for i in range(3):
+        assert chi2_pvalue(counts[i], exact[i]) > 1e-3, (i, counts[i], exact[i] * counts[i].sum())
+
+
+@pytest.mark.parametrize("broken", ["accept_all", "no_residual"])
+def test_sampling_test_catches_a_broken_verifier(small, monkeypatch, broken):
+    """Negative controls: accepting every draft token, or resampling a rejection from p instead of
+    norm(max(p - q, 0)) (the classic bug), must fail the same test."""
+    t, d, meta = small
+
+    def accept_all(tokens, q, p, generator=None):
+        return len(tokens), int(torch.multinomial(p[-1], 1, generator=generator))
+
+    def no_residual(tokens, q, p, generator=None):
+        for i, tok in enumerate(tokens.tolist()):
+            if float(torch.rand((), generator=generator)) * q[i, tok] >= p[i, tok]:
+                return i, int(torch.multinomial(p[i], 1, generator=generator))
+        return len(tokens), int(torch.multinomial(p[-1], 1, generator=generator))
+
+    monkeypatch.setattr(decode, "verify_chain_sampling", accept_all if broken == "accept_all" else no_residual)
+    sampling = SAMPLINGS[0]
+    exact = exact_marginals(t.model, [1, 5, 2], sampling, 2)
+    counts, _ = sample_counts(decode.SpecDecoder(t, d, meta, mode="chain", K=2), [1, 5, 2], sampling, 2, trials=1000)
+    assert chi2_pvalue(counts[1], exact[1]) < 1e-4
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+def test_mismatched_draft_and_target(llama, drafts, tmp_path):
+    d, meta = drafts["random"]
+    import transformers as tf
+
+    from tiny import COMMON
+    for what, cfg in [("has 6 layers", {**COMMON, "num_hidden_layers": 6}),
+                      ("target_hidden_size", {**COMMON, "hidden_size": 64}),
+                      ("vocab_size", {**COMMON, "vocab_size": 96})]:
+        other = as_target(tf.LlamaForCausalLM(tf.LlamaConfig(**cfg)).eval(), "other")
+        with pytest.raises(UsageError, match=what):
+            decode.SpecDecoder(other, d, meta)
+    # same shapes, other weights: a warning, an error with strict
+    same_shape = as_target(tiny_model("llama", seed=5), "retrained")
+    with pytest.warns(UserWarning, match="weights_hash"):
+        dec = decode.SpecDecoder(same_shape, d, meta)
+    assert any("weights_hash" in w for w in dec.warnings)
+    with pytest.raises(UsageError, match="weights_hash.*strict"):
+        decode.SpecDecoder(same_shape, d, meta, strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the matching target: no warning at all
+        decode.SpecDecoder(llama, d, meta)
+
+
+@pytest.mark.parametrize("call, msg", [
+    (lambda dec: dec.generate([], 5), "prompt is empty"),
+    (lambda dec: dec.generate([1, 2, 3], 254), "exceeds the target's context of 256"),
+    (lambda dec: dec.generate_plain([1, 2, 3], 254), "use --max-new-tokens <= 253"),
+    (lambda dec: dec.generate([1, 2, 3], 0), "max-new-tokens must be"),
+    (lambda dec: dec.generate([1, 128], 5), "0..127"),
+])
+def test_bad_generate_input(llama, drafts, call, msg):
+    dec = decode.SpecDecoder(llama, *drafts["random"])
+    with pytest.raises(UsageError, match=msg):
+        call(dec)
+
+
+def test_bad_decoder_settings(llama, drafts, small):
+    d, meta = drafts["random"]
+    for kw, msg in [(dict(mode="beam"), "mode"), (dict(K=0), "K must be"), (dict(mode="tree", budget=0), "budget"),
+                    (dict(cuda_graphs=True), "CUDA device")]:
+        with pytest.raises(UsageError, match=msg):
+            decode.SpecDecoder(llama, d, meta, **kw)
+    with pytest.raises(UsageError, match="metadata"):
+        decode.SpecDecoder(llama, d, None)
+    t, sd, smeta = small
+    with pytest.raises(UsageError, match="topk 7 exceeds the draft vocabulary"):
+        decode.SpecDecoder(t, sd, smeta, mode="tree", topk=7)
