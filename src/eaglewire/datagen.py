@@ -1,0 +1,351 @@
+"""`eaglewire datagen`: prompts -> (optional regeneration by the target) -> tap capture -> shards.
+
+The prompt set is processed in chunks of `shard_size` conversations, in file order. A chunk is
+regenerated (if asked), encoded with the chat template, captured in length-sorted batches (one
+forward each) and committed as one shard together with the position it reaches; a rerun of the
+same command resumes from the manifest's position, so a killed run loses and repeats nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import chat, prompts, shards, targets
+from .capture import capture, locate
+from .errors import EaglewireError, UsageError
+from .taps import TapContract
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenConfig:
+    """How the target rewrites the assistant turns (EAGLE-3 practice: the draft learns the target's own replies)."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    batch_size: int = 64
+    seed: int = 0  # sampling is seeded per chunk, so a resumed run writes what an unbroken one would
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.batch_size < 1:
+            raise UsageError(f"--gen-batch-size must be >= 1, got {self.batch_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatagenConfig:
+    regen: bool = False
+    max_samples: int | None = None
+    max_len: int = 2048
+    overlong: str = "truncate"  # or "skip"
+    batch_size: int = 8  # capture batch
+    dtype: str = "bf16"  # storage dtype of taps and final_hidden
+    shard_size: int = 64  # samples per shard = conversations per resumable step
+    gen: GenConfig = field(default_factory=GenConfig)
+
+    def __post_init__(self):
+        if self.max_samples is not None and self.max_samples < 1:
+            raise UsageError(f"--max-samples must be >= 1, got {self.max_samples}")
+        if self.max_len < 2:
+            raise UsageError(f"--max-len must be >= 2, got {self.max_len}")
+        if self.overlong not in ("truncate", "skip"):
+            raise UsageError(f"--overlong must be 'truncate' or 'skip', got {self.overlong!r}")
+        if self.batch_size < 1 or self.shard_size < 1:
+            raise UsageError(f"--batch-size and --shard-size must be >= 1, got {self.batch_size}, {self.shard_size}")
+        if self.dtype not in shards.DTYPES:
+            raise UsageError(f"--dtype must be one of {list(shards.DTYPES)}, got {self.dtype!r}")
+
+    def identity(self) -> dict:
+        """The arguments that change what a sample holds (a resumed run must repeat them)."""
+        out = {"regen": self.regen, "max_len": self.max_len, "overlong": self.overlong}
+        if self.regen:
+            out["generation"] = {k: v for k, v in asdict(self.gen).items() if k != "batch_size"}
+        return out
+
+
+# ---- regeneration -------------------------------------------------------------------------------
+
+def stop_ids(target: targets.Target) -> list[int]:
+    ids = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    ids.append(target.tokenizer.eos_token_id)
+    return sorted({int(i) for i in ids if i is not None})
+
+
+def pad_id(tokenizer) -> int:
+    pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pid) if pid is not None else 0
+
+
+@torch.no_grad()
+def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: GenConfig) -> list[str]:
+    """Replies to tokenized prompts: length-sorted, left-padded batches through `model.generate`."""
+    from transformers import GenerationConfig
+
+    tok, model = target.tokenizer, target.model
+    stops, pad = stop_ids(target), pad_id(tok)
+    kw = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} if gen.temperature > 0 else \
+        {"do_sample": False}
+    cfg = GenerationConfig(max_new_tokens=gen.max_new_tokens, eos_token_id=stops, pad_token_id=pad, **kw)
+    order = sorted(range(len(prompts_ids)), key=lambda k: len(prompts_ids[k]))
+    replies: list[str] = [""] * len(prompts_ids)
+    for b in range(0, len(order), gen.batch_size):
+        batch = order[b:b + gen.batch_size]
+        width = max(len(prompts_ids[k]) for k in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)  # (B, L), left-padded
+        mask = torch.zeros_like(ids)
+        for r, k in enumerate(batch):
+            n = len(prompts_ids[k])
+            ids[r, width - n:] = torch.tensor(prompts_ids[k])
+            mask[r, width - n:] = 1
+        out = model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                             generation_config=cfg)
+        for r, k in enumerate(batch):
+            new = out[r, width:].tolist()
+            cut = next((i for i, t in enumerate(new) if t in stops), len(new))
+            replies[k] = tok.decode(new[:cut], skip_special_tokens=True).strip()
+    return replies
+
+
+def regenerate(target: targets.Target, convs: list[list[dict]], gen: GenConfig, max_len: int
+               ) -> list[list[dict] | prompts.Skip]:
+    """Each conversation with its assistant turns rewritten by the target, turn by turn.
+
+    Turn t of every conversation is generated in one batched pass, after the target's own replies
+    to turns < t; a prompt that already fills `max_len` ends its conversation there.
+    """
+    if not convs:
+        return []
+    system = [[m for m in c if m["role"] == "system"] for c in convs]
+    users = [[m for m in c if m["role"] == "user"] for c in convs]
+    out: list[list[dict] | prompts.Skip] = [list(s) for s in system]
+    live = set(range(len(convs)))  # conversations still being extended
+    for t in range(max(len(u) for u in users)):
+        todo, ids = [], []
+        for k in sorted(live):
+            if t >= len(users[k]):
+                live.discard(k)
+                continue
+            msgs = out[k] + [users[k][t]]
+            try:
+                text = chat.render(target.tokenizer, msgs, add_generation_prompt=True)
+            except chat.ChatTemplateError as e:
+                out[k] = prompts.Skip(e.reason, str(e))
+                live.discard(k)
+                continue
+            p = target.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(p) >= max_len:  # no room left for a reply: the conversation ends here
+                live.discard(k)
+                continue
+            todo.append((k, msgs))
+            ids.append(p)
+        for (k, msgs), reply in zip(todo, generate_batched(target, ids, gen)):
+            out[k] = msgs + [{"role": "assistant", "content": reply}]
+    return [c if isinstance(c, prompts.Skip) or any(m["role"] == "assistant" for m in c)
+            else prompts.Skip("prompt longer than --max-len") for c in out]
+
+
+# ---- encoding and capture -----------------------------------------------------------------------
+
+def _policy(enc, cfg: DatagenConfig) -> tuple[torch.Tensor, torch.Tensor, bool] | prompts.Skip:
+    if isinstance(enc, chat.ChatTemplateError):
+        return prompts.Skip(enc.reason, str(enc))
+    ids, mask, truncated = enc
+    if truncated and cfg.overlong == "skip":
+        return prompts.Skip("longer than --max-len")
+    if not mask.any():
+        return prompts.Skip("no assistant token within --max-len" if truncated else "no assistant token")
+    return ids, mask, truncated
+
+
+def encode(tokenizer, conv: list[dict], cfg: DatagenConfig) -> tuple[torch.Tensor, torch.Tensor, bool] | prompts.Skip:
+    """(input_ids, loss_mask, truncated) of one conversation under the --max-len policy, or why not."""
+    return _policy(chat.encode_many(tokenizer, [conv], cfg.max_len)[0], cfg)
+
+
+def encode_chunk(tokenizer, convs: list, cfg: DatagenConfig) -> list:
+    """encode() of many conversations (Skips pass through), tokenized in one batch."""
+    todo = [c for c in convs if not isinstance(c, prompts.Skip)]
+    encs = iter(chat.encode_many(tokenizer, todo, cfg.max_len))
+    return [c if isinstance(c, prompts.Skip) else _policy(next(encs), cfg) for c in convs]
+
+
+@torch.no_grad()
+def capture_batched(target: targets.Target, contract: TapContract, seqs: list[torch.Tensor], batch_size: int,
+                    dtype: torch.dtype, stack=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(taps (T, n*H), final_hidden (T, H)) per sequence, on the CPU in `dtype`, unpadded.
+
+    Sequences are grouped by length and right-padded: with the attention mask, padding sits after
+    every real token and cannot change it.
+    """
+    stack = stack or locate(target.model)
+    pad = pad_id(target.tokenizer)
+    order = sorted(range(len(seqs)), key=lambda k: seqs[k].numel())
+    out: list = [None] * len(seqs)
+    for b in range(0, len(order), batch_size):
+        batch = order[b:b + batch_size]
+        width = max(seqs[k].numel() for k in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)  # (B, L)
+        mask = torch.zeros_like(ids)
+        for r, k in enumerate(batch):
+            ids[r, :seqs[k].numel()] = seqs[k]
+            mask[r, :seqs[k].numel()] = 1
+        cap = capture(target.model, ids.to(target.device), contract, attention_mask=mask.to(target.device),
+                      final_norm=True, stack=stack)
+        taps, final = cap.taps.to("cpu", dtype), cap.final_hidden.to("cpu", dtype)  # (B, L, n*H), (B, L, H)
+        for r, k in enumerate(batch):
+            n = seqs[k].numel()
+            out[k] = (taps[r, :n].clone(), final[r, :n].clone())
+    return out
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def manifest_base(target: targets.Target, contract: TapContract, pset: prompts.PromptSet, cfg: DatagenConfig) -> dict:
+    fp = target.fingerprint or targets.fingerprint(target.model, target.tokenizer)
+    model_dtype = next(target.model.parameters()).dtype
+    return {
+        "format": shards.FORMAT,
+        "contract": contract.to_dict(),
+        "final_hidden": "post-norm",
+        "storage_dtype": cfg.dtype,
+        "hidden_size": target.config.hidden_size,
+        "target": fp,
+        "tokenizer_hash": fp.get("tokenizer_hash"),
+        "chat_template_hash": fp.get("chat_template_hash"),
+        "prompts_sha256": pset.sha256,
+        "prompts": pset.summary(),
+        "args": {**cfg.identity(), "target_dtype": str(model_dtype).removeprefix("torch.")},
+        "run": {"target": target.spec, "max_samples": cfg.max_samples, "batch_size": cfg.batch_size,
+                "shard_size": cfg.shard_size, "gen_batch_size": cfg.gen.batch_size if cfg.regen else None},
+    }
+
+
+def _room(writer: shards.ShardWriter, cfg: DatagenConfig) -> int | None:
+    return None if cfg.max_samples is None else cfg.max_samples - writer.samples
+
+
+def _chunk(target, contract, convs, i: int, j: int, cfg: DatagenConfig, writer: shards.ShardWriter, stack) -> None:
+    """Conversations i..j-1 -> (regenerated) -> encoded -> captured -> one committed shard."""
+    if cfg.regen:
+        torch.manual_seed(cfg.gen.seed + i)  # the same chunk samples the same replies on a rerun
+        chunk = regenerate(target, convs[i:j], cfg.gen, cfg.max_len)
+    else:
+        chunk = convs[i:j]
+    kept, truncated = [], 0
+    for src, enc in enumerate(encode_chunk(target.tokenizer, chunk, cfg), i):
+        if isinstance(enc, prompts.Skip):
+            writer.skip(enc.reason)
+        else:
+            kept.append((src, enc[0], enc[1]))
+            truncated += enc[2]
+    states = capture_batched(target, contract, [ids for _, ids, _ in kept], cfg.batch_size,
+                             shards.DTYPES[cfg.dtype], stack)
+    for (src, ids, mask), (taps, final) in zip(kept, states):
+        writer.add(shards.Sample(source=src, input_ids=ids, loss_mask=mask, taps=taps, final_hidden=final))
+    writer.commit(next_source=j, truncated=truncated)
+
+
+def run_datagen(target: targets.Target, prompts_path: str | Path, out_dir: str | Path, contract: TapContract,
+                regen: bool = False, max_samples: int | None = None, max_len: int = 2048, *,
+                gen: GenConfig | None = None, progress: bool = True, **options) -> dict:
+    """Build (or resume) a training-data directory; returns its manifest.
+
+    options: DatagenConfig fields (overlong, batch_size, dtype, shard_size).
+    """
+    from tqdm import tqdm
+
+    cfg = DatagenConfig(regen=regen, max_samples=max_samples, max_len=max_len, gen=gen or GenConfig(), **options)
+    chat.require_chat_template(target.tokenizer, f"--target {target.spec}")
+    if contract.num_layers != target.num_layers:
+        raise UsageError(f"tap contract is for {contract.num_layers} layers, --target {target.spec} has "
+                         f"{target.num_layers}")
+    pset = prompts.load_conversations(prompts_path, need_assistant=not regen)
+    convs = pset.conversations
+    writer = shards.ShardWriter(out_dir, manifest_base(target, contract, pset, cfg), cfg.shard_size)
+    start = writer.next_source
+    room = _room(writer, cfg)
+    if start and start < len(convs) and (room is None or room > 0):
+        print(f"eaglewire datagen: resuming at conversation {start} of {len(convs)} ({writer.samples} samples "
+              f"in {len(writer.manifest['shards'])} shards)", file=sys.stderr)
+    stack = locate(target.model)
+    bar = tqdm(total=len(convs), initial=start, unit="conv", desc="datagen", file=sys.stderr, disable=not progress)
+    i = start
+    while i < len(convs) and (_room(writer, cfg) is None or _room(writer, cfg) > 0):
+        # A chunk never yields more samples than there is room for, so max_samples needs no cut.
+        j = min(len(convs), i + min(cfg.shard_size, _room(writer, cfg) or cfg.shard_size))
+        _chunk(target, contract, convs, i, j, cfg, writer, stack)
+        bar.update(j - i)
+        bar.set_postfix(samples=writer.samples)
+        i = j
+    bar.close()
+    manifest = writer.finish(complete=True)
+    if manifest["counts"]["samples"] == 0:
+        raise EaglewireError(f"--prompts {pset.path}: no usable sample (skipped: {manifest['counts']['skipped']})")
+    return manifest
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def cmd_datagen(args) -> int:
+    from .commands import _target_config
+
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise UsageError(f"--prompts {path}: no such file")
+    if path.stat().st_size == 0:
+        raise UsageError(f"--prompts {path}: the file is empty")
+    gen = GenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    batch_size=args.gen_batch_size, seed=args.seed)
+    options = dict(regen=args.regen, max_samples=args.max_samples, max_len=args.max_len, gen=gen,
+                   overlong=args.overlong, batch_size=args.batch_size, dtype=args.dtype, shard_size=args.shard_size)
+    DatagenConfig(**options)  # refuse bad arguments before loading the target
+    contract = TapContract.parse(_target_config(args.target).num_hidden_layers, args.taps)
+    dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.target_dtype]
+    target = targets.load_target(args.target, dtype=dtype, device=args.device)
+    m = run_datagen(target, path, args.out, contract, **options)
+    c = m["counts"]
+    skipped = ", ".join(f"{n} {r}" for r, n in sorted(c["skipped"].items(), key=lambda rn: -rn[1])) or "none"
+    print(f"{args.out}: {c['samples']} samples, {c['tokens']} tokens ({c['assistant_tokens']} assistant) in "
+          f"{len(m['shards'])} shards; taps {list(contract.taps)}; truncated {c['truncated']}; skipped: {skipped}")
+    if m["prompts"]["skipped"]:
+        print(f"prompt file: {m['prompts']['records']} records, skipped {m['prompts']['skipped']}")
+    return 0
+
+
+def register(sub) -> None:
+    from .commands import add_target_arg
+
+    p = sub.add_parser("datagen", help="capture the target's taps over a prompt set into training shards")
+    add_target_arg(p)
+    p.add_argument("--prompts", required=True, metavar="FILE",
+                   help="ShareGPT / OpenAI-messages JSON(L), a JSON list of prompts, or a .txt with one per line")
+    p.add_argument("--out", required=True, metavar="DIR", help="dataset directory (created, or resumed)")
+    p.add_argument("--regen", action="store_true", help="have the target write the assistant turns itself")
+    p.add_argument("--taps", default=None, help="canonical taps, comma-separated (default: 2,N//2,N-3)")
+    p.add_argument("--max-samples", type=int, default=None, metavar="N", help="stop after N samples (rerun with a larger N to extend)")
+    p.add_argument("--max-len", type=int, default=2048, metavar="L", help="tokens per sample (default 2048)")
+    p.add_argument("--overlong", choices=["truncate", "skip"], default="truncate",
+                   help="what to do with samples longer than --max-len (default truncate)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="capture batch (default 8)")
+    p.add_argument("--dtype", choices=list(shards.DTYPES), default="bf16", help="stored taps dtype (default bf16)")
+    p.add_argument("--shard-size", type=int, default=64, metavar="S", help="conversations per shard, the unit of resumption (default 64)")
+    p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="dtype the target runs in (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    g = p.add_argument_group("regeneration (--regen)")
+    g.add_argument("--max-new-tokens", type=int, default=512, help="per reply (default 512)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--gen-batch-size", type=int, default=64, help="prompts per generate call (default 64)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.set_defaults(func=cmd_datagen)

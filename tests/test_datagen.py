@@ -1,0 +1,245 @@
+"""`eaglewire datagen` on tiny random targets (SmolLM2's real tokenizer and ChatML template)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from eaglewire import cli, targets
+from eaglewire.capture import capture
+from eaglewire.chat import encode_conversation
+from eaglewire.datagen import GenConfig, generate_batched, regenerate, run_datagen
+from eaglewire.errors import EaglewireError
+from eaglewire.prompts import load_conversations
+from eaglewire.shards import open_dataset, read_manifest
+from eaglewire.taps import TapContract
+
+CONTRACT = TapContract(4, (1, 2, 4))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Models this small gain nothing from threads, and on a busy 2-core machine OpenMP's spinning
+    # threads make every matmul several times slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_target(root, family):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if family == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
+    path = root / family
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(targets.prepare("smollm2-135m")).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("targets"), "llama")
+
+
+@pytest.fixture(scope="module")
+def llama(llama_dir):
+    return targets.load_target(str(llama_dir), device="cpu")
+
+
+def sharegpt_file(path, n, extra=()):
+    with open(path, "w") as f:
+        for i in range(n):
+            reply = " ".join(["word"] * (i % 7 + 1))  # varied lengths, so batches need padding
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"Question {i}?"},
+                                                  {"from": "gpt", "value": f"Answer {i}: {reply}."}]}) + "\n")
+        for line in extra:
+            f.write(line + "\n")
+    return path
+
+
+def assert_matches_unbatched(target, ds, contract, atol=1e-5):
+    """Every stored sample equals an unpadded single-sequence capture, and lm_head(final_hidden) = logits."""
+    for i in range(len(ds)):
+        item = ds[i]
+        ids = item["input_ids"][None]
+        ref = capture(target.model, ids, contract, final_norm=True, logits=True)
+        assert torch.allclose(item["taps"].float(), ref.taps[0], atol=atol)
+        assert torch.allclose(item["final_hidden"].float(), ref.final_hidden[0], atol=atol)
+        assert torch.allclose(target.model.lm_head(item["final_hidden"].float()), ref.logits[0], atol=1e-4)
+
+
+def test_capture_batched_equals_single_forwards(llama, tmp_path):
+    p = sharegpt_file(tmp_path / "p.jsonl", 7, extra=["{broken", json.dumps({"conversations": [
+        {"from": "human", "value": "unanswered"}]})])
+    m = run_datagen(llama, p, tmp_path / "out", CONTRACT, batch_size=3, shard_size=4, dtype="fp32", progress=False)
+    ds = open_dataset(tmp_path / "out", expect_fingerprint=llama.fingerprint, expect_contract=CONTRACT, verify="open")
+    assert len(ds) == 7 and [s["samples"] for s in m["shards"]] == [4, 3]
+    assert m["final_hidden"] == "post-norm" and m["target"] == llama.fingerprint
+    assert m["prompts"]["skipped"] == {"malformed JSON": 1, "no assistant turn (pass --regen to have the target "
+                                       "write the replies)": 1}
+    assert m["prompts"]["file"] == "p.jsonl" and len(m["prompts_sha256"]) == 64
+    convs = [json.loads(line)["conversations"] for line in p.read_text().splitlines()[:7]]
+    for i, conv in enumerate(convs):
+        msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]} for t in conv]
+        ids, mask = encode_conversation(llama.tokenizer, msgs)
+        assert torch.equal(ds[i]["input_ids"], ids) and torch.equal(ds[i]["loss_mask"], mask)
+    assert_matches_unbatched(llama, ds, CONTRACT)
+    assert m["counts"]["assistant_tokens"] == sum(int(ds[i]["loss_mask"].sum()) for i in range(7))
+
+
+def test_qwen2_family(tmp_path):
+    qwen = targets.load_target(str(make_target(tmp_path, "qwen2")), device="cpu")
+    p = sharegpt_file(tmp_path / "p.jsonl", 5)
+    contract = TapContract(4, (0, 2, 3))
+    run_datagen(qwen, p, tmp_path / "out", contract, batch_size=2, dtype="fp32", progress=False)
+    ds = open_dataset(tmp_path / "out", expect_contract=contract)
+    assert read_manifest(tmp_path / "out")["target"]["model_type"] == "qwen2"
+    assert_matches_unbatched(qwen, ds, contract)
+
+
+def test_regeneration_is_batched_left_padded_and_turn_by_turn(llama):
+    convs = [[{"role": "user", "content": "Hi"}, {"role": "user", "content": "And then?"}],  # MT-bench style
+             [{"role": "user", "content": "A much longer question, with many more words in it than the others."},
+              {"role": "assistant", "content": "the file's reply, to be replaced"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]]
+    gen = GenConfig(max_new_tokens=5, batch_size=3)
+    out = regenerate(llama, convs, gen, max_len=256)
+    one_by_one = regenerate(llama, convs, GenConfig(max_new_tokens=5, batch_size=1), max_len=256)
+    assert out == one_by_one  # left padding changes nothing
+    assert [[m["role"] for m in c] for c in out] == [["user", "assistant", "user", "assistant"],
+                                                     ["user", "assistant"], ["system", "user", "assistant"]]
+    assert out[1][1]["content"] != "the file's reply, to be replaced"
+    # turn 2 is generated after the target's own turn-1 reply
+    prompt = llama.tokenizer.apply_chat_template(out[0][:3], tokenize=True, add_generation_prompt=True,
+                                                 return_dict=True)["input_ids"]
+    assert generate_batched(llama, [prompt], gen) == [out[0][3]["content"]]
+    # greedy replies are the model's argmax continuation, up to an end-of-turn token
+    prompt = llama.tokenizer.apply_chat_template(out[2][:2], tokenize=True, add_generation_prompt=True,
+                                                 return_dict=True)["input_ids"]
+    ids = torch.tensor([prompt])
+    for _ in range(5):
+        nxt = llama.model(ids).logits[0, -1].argmax()
+        if nxt == 2:
+            break
+        ids = torch.cat([ids, nxt.view(1, 1)], 1)
+    assert llama.tokenizer.decode(ids[0, len(prompt):], skip_special_tokens=True).strip() == out[2][2]["content"]
+    # a prompt that fills --max-len leaves nothing to reply to
+    assert regenerate(llama, convs[1:2], gen, max_len=10)[0].reason == "prompt longer than --max-len"
+
+
+def test_max_samples_grows_and_overlong_policies(llama, tmp_path):
+    p = sharegpt_file(tmp_path / "p.jsonl", 8)
+    m = run_datagen(llama, p, tmp_path / "out", CONTRACT, max_samples=3, shard_size=2, progress=False)
+    assert m["counts"]["samples"] == 3 and m["progress"]["complete"]
+    first = [open_dataset(tmp_path / "out")[i]["input_ids"] for i in range(3)]
+    m = run_datagen(llama, p, tmp_path / "out", CONTRACT, max_samples=6, shard_size=2, progress=False)
+    ds = open_dataset(tmp_path / "out")
+    assert len(ds) == 6 and all(torch.equal(ds[i]["input_ids"], first[i]) for i in range(3))
+    # samples are 42..48 tokens, the first reply token at 34: at 45 some are cut, at 34 no reply is left
+    encoded = [encode_conversation(llama.tokenizer, c) for c in load_conversations(p).conversations]
+    assert [ids.numel() for ids, _ in encoded] == [42, 43, 44, 45, 46, 47, 48, 42]
+    assert {int(mask.nonzero()[0]) for _, mask in encoded} == {34}
+    m = run_datagen(llama, p, tmp_path / "t", CONTRACT, max_len=45, progress=False)
+    assert m["counts"]["truncated"] == 3 and open_dataset(tmp_path / "t").lengths() == [42, 43, 44, 45, 45, 45, 45, 42]
+    m = run_datagen(llama, p, tmp_path / "s", CONTRACT, max_len=45, overlong="skip", progress=False)
+    assert m["counts"]["skipped"] == {"longer than --max-len": 3} and m["counts"]["samples"] == 5
+    with pytest.raises(EaglewireError, match="no usable sample.*no assistant token within --max-len"):
+        run_datagen(llama, p, tmp_path / "none", CONTRACT, max_len=34, progress=False)
+
+
+# The CLI's own main(), with only this command registered: other commands' modules play no part here.
+ONLY_DATAGEN = {"datagen": "eaglewire.datagen"}
+CLI_SCRIPT = ("import sys; from eaglewire import cli; cli.COMMANDS = %r; sys.exit(cli.main(sys.argv[1:]))"
+              % ONLY_DATAGEN)
+
+
+@pytest.fixture(autouse=True)
+def _restore_commands(monkeypatch):
+    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
+
+
+def run_cli(capsys, *argv):
+    cli.COMMANDS = ONLY_DATAGEN
+    rc = cli.main(["datagen", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_errors_are_one_line(llama_dir, tmp_path, capsys):
+    good = sharegpt_file(tmp_path / "p.jsonl", 3)
+    (tmp_path / "empty.jsonl").write_text("")
+    questions = tmp_path / "questions.txt"
+    questions.write_text("What is 2+2?\nName a colour.\n")
+    bare = tmp_path / "no-template"
+    shutil.copytree(llama_dir, bare)
+    (bare / "chat_template.jinja").unlink()
+    cases = [
+        (["--target", llama_dir, "--prompts", tmp_path / "empty.jsonl"], 2, "is empty"),
+        (["--target", llama_dir, "--prompts", tmp_path / "nope.jsonl"], 2, "no such file"),
+        (["--target", llama_dir, "--prompts", good, "--taps", "1,2,9"], 2, "taps [9] out of range"),
+        (["--target", bare, "--prompts", good, "--taps", "1,2,4"], 2, "has no chat template"),
+        (["--target", llama_dir, "--prompts", good, "--max-len", "1"], 2, "--max-len must be >= 2"),
+        (["--target", llama_dir, "--prompts", questions, "--taps", "1,2,4"], 2, "no assistant turn (pass --regen"),
+    ]
+    for argv, code, msg in cases:
+        rc, out, err = run_cli(capsys, *argv, "--out", tmp_path / "out")
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert rc == code and errors == [f"eaglewire datagen: error: {errors[0].split('error: ', 1)[1]}"], (argv, err)
+        assert msg in errors[0] and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "out").exists()
+    rc, out, err = run_cli(capsys, "--target", llama_dir, "--prompts", good, "--out", tmp_path / "out",
+                           "--taps", "1,2,4")
+    assert rc == 0 and "3 samples" in out
+    before = (tmp_path / "out" / "manifest.json").read_bytes()
+    rc, out, err = run_cli(capsys, "--target", llama_dir, "--prompts", good, "--out", tmp_path / "out",
+                           "--taps", "1,2,3")
+    assert rc == 1 and "error: --out" in err and "already holds data made differently (contract.taps" in err
+    assert (tmp_path / "out" / "manifest.json").read_bytes() == before
+
+
+def test_sigkill_mid_run_then_rerun_completes_without_duplicates(llama_dir, tmp_path, capsys):
+    n = 60  # 30 shards of 2: the kill after the second one leaves most of the run to do
+    p = sharegpt_file(tmp_path / "p.jsonl", n)
+    argv = ["--target", llama_dir, "--prompts", p, "--taps", "1,2,4", "--shard-size", "2", "--batch-size", "2",
+            "--regen", "--max-new-tokens", "4", "--gen-batch-size", "2", "--dtype", "fp32"]
+    assert run_cli(capsys, *argv, "--out", tmp_path / "ref")[0] == 0  # an unbroken run, for comparison
+
+    out = tmp_path / "out"
+    with open(tmp_path / "stderr.txt", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", CLI_SCRIPT, "datagen", *map(str, argv), "--out", str(out)],
+                                stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if len(json.loads((out / "manifest.json").read_text())["shards"]) >= 2:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()[-2000:]
+    m = read_manifest(out)
+    assert not m["progress"]["complete"] and 2 <= len(m["shards"]) < n // 2
+    assert len(open_dataset(out, verify="open", allow_incomplete=True)) == m["counts"]["samples"]
+
+    rc, _, err = run_cli(capsys, *argv, "--out", out)
+    assert rc == 0 and "resuming at conversation" in err
+    got, ref = open_dataset(out, verify="open"), open_dataset(tmp_path / "ref", verify="open")
+    spans = [s["sources"] for s in got.manifest["shards"]]
+    assert spans == [[i, i + 2] for i in range(0, n, 2)]  # every conversation once, in order
+    assert len(got) == len(ref) == n
+    for i in range(n):
+        a, b = got[i], ref[i]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        assert torch.allclose(a["taps"], b["taps"], atol=1e-5)
+    assert got.manifest["token_freqs"] == ref.manifest["token_freqs"]
