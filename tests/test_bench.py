@@ -1,0 +1,215 @@
+"""`eaglewire bench` on tiny CPU models: HF generate vs our decoder without and with a draft.
+
+Two targets share a character-level ChatML tokenizer (99 tokens, vocab 128):
+- `random`: a random Llama (attention and MLP live); its draft is random too (acceptance near 0),
+  which makes the greedy equality check meaningful over real attention;
+- `shift`: attention and MLP outputs zeroed, so the residual stream is the token embedding and
+  lm_head makes greedy decoding a walk x -> x + 1 (mod 128). Its draft maps taps[t] = e(x_t) to
+  x_t + 2 = x_{t+2}, exactly the token its first position must predict; fed its own hidden state
+  again, it predicts x_t + 2 once more, wrong for position 2. So every verification step accepts
+  exactly one draft token: acceptance rates (1, 0, 0) and acceptance length ~2, known in advance.
+"""
+
+import json
+
+import pytest
+import torch
+
+from eaglewire import targets
+from eaglewire.bench import acceptance, first_divergence, greedy_check, Generation, run_bench
+from eaglewire.checkpoint import save_draft
+from eaglewire.cli import main
+from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.taps import TapContract
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CONTRACT = TapContract(4, (1, 2, 3))
+V, H = 128, 32
+PROMPTS = ["Name three colours.", "What is 2 + 2?", "Write a haiku about rain."]
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<unk>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(32, 127)] + ["\n"]
+    tk = Tokenizer(models.BPE({t: i for i, t in enumerate(chars)}, [], unk_token="<unk>"))
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+def tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=2, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def save_pair(root, model, draft):
+    tok = tiny_tokenizer()
+    model.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    save_draft(draft, root / "draft", contract=CONTRACT, target_fingerprint=targets.fingerprint(model, tok))
+    return str(root / "target"), str(root / "draft")
+
+
+def new_draft(model, seed: int):
+    torch.manual_seed(seed)
+    d = Eagle3Draft(DraftConfig.for_target(model.config, num_taps=3, draft_vocab_size=None))
+    d.load_target_embedding(model.model.embed_tokens.weight)
+    return d.eval()
+
+
+@torch.no_grad()
+def shift_pair(seed: int = 0):
+    """The `shift` target and its one-position-perfect draft (module docstring)."""
+    model = tiny_llama(seed)
+    e = model.model.embed_tokens.weight
+    e.copy_(torch.nn.functional.normalize(torch.randn(V, H), dim=-1))  # also row pad_token_id, zero by default
+    for layer in model.model.layers:  # residual stream = embedding everywhere
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    model.lm_head.weight.copy_(10 * e.roll(1, dims=0))  # row y = e(y - 1): argmax after x is x + 1
+    draft = new_draft(model, seed)
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, :H].copy_(torch.eye(H))  # hidden = tap 1 = e(x_t)
+    for layer in draft.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    draft.lm_head.weight.copy_(10 * e.roll(2, dims=0))  # row y = e(y - 2): predicts x_t + 2
+    return model, draft
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("suite") / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return str(f)
+
+
+@pytest.fixture(scope="module")
+def shift(tmp_path_factory):
+    return save_pair(tmp_path_factory.mktemp("shift"), *shift_pair())
+
+
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory):
+    model = tiny_llama(1)
+    return save_pair(tmp_path_factory.mktemp("random"), model, new_draft(model, 2))
+
+
+def test_shift_model_is_what_the_docstring_says():
+    model, _ = shift_pair()
+    ids = torch.arange(V)[:, None]  # each token alone
+    assert torch.equal(model(ids).logits[:, -1].argmax(-1), (torch.arange(V) + 1) % V)
+
+
+def test_bench_chain_json_table_plot(shift, prompt_file, tmp_path, capsys):
+    target, draft = shift
+    out, png = tmp_path / "bench.json", tmp_path / "acc.png"
+    code = main(["bench", "--target", target, "--draft", draft, "--suite", prompt_file, "--max-new-tokens", "12",
+                 "--chain", "3", "--device", "cpu", "--json", str(out), "--plot", str(png)])
+    table = capsys.readouterr().out
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "acceptance length" in table and "greedy check vs hf: OK" in table
+
+    assert set(r["runs"]) == {"hf", "base", "spec"} and r["runs"]["hf"]["name"] == "hf-dynamic"
+    assert r["suite"]["prompts"] == 3 and r["settings"]["dtype"] == "fp32"
+    assert r["machine"]["torch"] == torch.__version__ and r["machine"]["date"]
+    for k, run in r["runs"].items():
+        assert run["tokens"] == sum(p[f"{k}_tokens"] for p in r["per_prompt"])
+        assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["wall_s"])
+    sp = r["speedups"]
+    tps = {k: v["tokens_per_s"] for k, v in r["runs"].items()}
+    assert sp["spec/base"] == pytest.approx(tps["spec"] / tps["base"]) and sp["base/hf"] == pytest.approx(
+        tps["base"] / tps["hf"]) and sp["spec/hf"] == pytest.approx(tps["spec"] / tps["hf"])
+
+    acc = r["acceptance"]
+    assert acc["verification_steps"] == r["runs"]["spec"]["steps"]
+    assert acc["acceptance_length"] == pytest.approx(r["runs"]["spec"]["tokens"] / acc["verification_steps"])
+    assert acc["rate_by_position"] == [1.0, 0.0, 0.0]  # known in advance for the shift pair
+    assert acc["mean_accepted_plus_bonus"] == 2.0 and 1.5 < acc["acceptance_length"] <= 2.5
+    assert sum(acc["accepted_histogram"]) == acc["verification_steps"]
+    g = r["greedy_check"]
+    assert g["ok"] is True and g["mismatches"] == [] and g["compared"] == ["base", "spec"]
+
+
+def test_bench_tree_on_random_pair_is_lossless(random_pair, prompt_file):
+    target, draft = random_pair
+    r = run_bench(target, draft, prompt_file, max_new_tokens=10, mode="tree", depth=3, topk=2, budget=5,
+                  device="cpu", log=lambda m: None)
+    assert r["greedy_check"]["ok"] is True, r["greedy_check"]
+    acc = r["acceptance"]
+    assert len(acc["rate_by_position"]) == 3 and all(0 <= x <= 1 for x in acc["rate_by_position"])
+    assert acc["acceptance_length"] == pytest.approx(r["runs"]["spec"]["tokens"] / acc["verification_steps"])
+    assert r["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5"
+
+
+def test_no_hf_and_sampling(shift, prompt_file):
+    target, draft = shift
+    r = run_bench(target, draft, prompt_file, max_new_tokens=6, max_prompts=2, hf=False, temperature=0.7,
+                  chain=2, device="cpu", log=lambda m: None)
+    assert set(r["runs"]) == {"base", "spec"} and r["greedy_check"] is None
+    assert r["speedups"]["spec/hf"] is None and r["suite"]["prompts"] == 2
+
+
+def test_greedy_check_reports_divergence(random_pair, prompt_file):
+    target = targets.load_target(random_pair[0], device="cpu")
+    ids = torch.tensor([[1, 40, 41, 42]])
+    ref = Generation(tokens=[5, 6, 7, 8], wall_s=1.0, steps=3)
+    bad = Generation(tokens=[5, 6, 9, 8], wall_s=1.0, steps=3)
+    short = Generation(tokens=[5, 6], wall_s=1.0, steps=1)
+    r = greedy_check(target, [ids, ids], {"hf": [ref, ref], "spec": [bad, short]}, "hf", torch.float32)
+    assert [(m["prompt"], m["position"], m["token"], m["ref_token"]) for m in r["mismatches"]] == [
+        (0, 2, 9, 7), (1, 2, None, 7)]
+    assert r["mismatches"][0]["top2_logit_gap"] > 0
+    assert first_divergence([1, 2], [1, 2]) is None
+    soft = greedy_check(target, [ids], {"hf": [ref], "spec": [bad]}, "hf", torch.bfloat16)
+    assert soft["ok"] is None and soft["mismatches"][0]["top2_logit_gap"] is None
+
+
+def test_acceptance_rates_by_position():
+    gens = [Generation(tokens=[0] * 9, wall_s=1.0, steps=4, accepted=[3, 1, 0, 2]),
+            Generation(tokens=[0] * 3, wall_s=1.0, steps=1, accepted=[1])]
+    a = acceptance(gens, 3)
+    assert a["rate_by_position"] == [0.8, 0.4, 0.2]
+    assert a["conditional_rate_by_position"] == [0.8, 0.5, 0.5]
+    assert a["acceptance_length"] == 12 / 5 and a["accepted_histogram"] == [1, 2, 1, 1]
+
+
+def test_bad_inputs_are_one_line_errors(shift, random_pair, prompt_file, tmp_path, capsys):
+    target, draft = shift
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    other = tiny_llama(3)
+    big = tmp_path / "wide"
+    other.config.hidden_size = 48
+    from transformers import LlamaForCausalLM
+    wide = LlamaForCausalLM(other.config)
+    wide.save_pretrained(big)
+    tiny_tokenizer().save_pretrained(big)
+    capsys.readouterr()
+    cases = [
+        (["--suite", str(empty)], "the file is empty"),
+        (["--suite", "mt-bench-9"], "not a suite"),
+        (["--suite", prompt_file, "--target", str(big)], "target_hidden_size is 32 but target"),
+        (["--suite", prompt_file, "--max-new-tokens", "250"], "context of 256"),
+        (["--suite", prompt_file, "--tree", "--chain", "3"], "exclude each other"),
+    ]
+    for extra, msg in cases:
+        args = ["bench", "--target", target, "--draft", draft, "--device", "cpu", "--max-new-tokens", "4"] + extra
+        assert main(args) == 2, extra
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.startswith("eaglewire bench")]  # not progress bars
+        assert "Traceback" not in err and len(lines) == 1 and msg in lines[0], (extra, err)
+        assert lines[0].startswith("eaglewire bench: error: ")
