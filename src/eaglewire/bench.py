@@ -126,15 +126,6 @@ def timed(fn, device: torch.device):
 # --- the three runs -------------------------------------------------------------------------------
 
 
-def eos_ids(target) -> list[int]:
-    """End-of-sequence ids from the tokenizer and the generation config, de-duplicated."""
-    ids = []
-    for v in (getattr(target.tokenizer, "eos_token_id", None),
-              getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
-        ids += v if isinstance(v, list) else [v]
-    return list(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
 def hf_runner(target, cfg: BenchConfig, device: torch.device, eos: list[int]):
     """(name, run(ids, max_new, seed) -> Generation, None) for transformers' own `generate`."""
     cache = cfg.hf_cache if cfg.hf_cache != "auto" else ("static" if device.type == "cuda" else "dynamic")
@@ -412,7 +403,7 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
     t, draft_model, meta = _load(target, draft, device, dtype)
     prompts = [suites.encode_prompt(t.tokenizer, c).to(device) for c in sp.conversations]
     check_context(prompts, cfg, t, sp.name)
-    eos = eos_ids(t)
+    eos = targets.eos_ids(t)
 
     runners = {"hf": hf_runner(t, cfg, device, eos)} if cfg.hf else {}
     runners["base"] = decoder_runner(t, draft_model, meta, cfg, device, eos, speculate=False)

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from . import __version__
 from .draft import DraftConfig, Eagle3Draft
-from .errors import EaglewireError, TapError, UsageError
+from .errors import TapError, UsageError
 from .taps import TapContract
 from .vocab import validate_vocab
 

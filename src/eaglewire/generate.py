@@ -14,19 +14,11 @@ from pathlib import Path
 import torch
 
 from .errors import UsageError
+from .targets import eos_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TREE_DEFAULTS = {"depth": 6, "topk": 8, "budget": 63}
 CHAIN_DEFAULT = 7
-
-
-def eos_ids(target) -> list[int]:
-    """End-of-sequence ids from the tokenizer and the generation config, de-duplicated."""
-    ids = []
-    for v in (getattr(target.tokenizer, "eos_token_id", None),
-              getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
-        ids += v if isinstance(v, list) else [v]
-    return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def read_messages(path: str) -> list[dict]:

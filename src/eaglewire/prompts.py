@@ -14,7 +14,6 @@ A record that cannot be used is skipped and counted by reason; the loaders are s
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import re
 from collections import Counter
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import UsageError
+from .files import file_digest
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
          "bing": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
@@ -54,14 +54,6 @@ class PromptSet:
         return {"file": self.path.name, "sha256": self.sha256, "records": self.records,
                 "conversations": len(self.conversations), "skipped": dict(self.skipped),
                 "notes": list(self.notes)}
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_text(path: str | Path) -> str:
@@ -224,5 +216,5 @@ def load_conversations(path: str | Path, need_assistant: bool = True, limit: int
     if not convs:
         why = "; ".join(f"{n} x {r}" for r, n in skipped.most_common(3)) or "no records"
         raise UsageError(f"--prompts {path}: no usable conversation among {records} records ({why})")
-    return PromptSet(path=path, sha256=file_sha256(path), conversations=convs, records=records,
+    return PromptSet(path=path, sha256=file_digest(path), conversations=convs, records=records,
                      skipped=dict(skipped), details=details, notes=notes)

@@ -32,6 +32,7 @@ from safetensors.torch import save
 
 from . import __version__
 from .errors import EaglewireError, UsageError
+from .files import file_digest
 from .targets import compare_fingerprints
 from .taps import TapContract
 
@@ -47,14 +48,6 @@ IDENTITY = ("format", "contract", "final_hidden", "storage_dtype", "hidden_size"
 def manifest_hash(manifest: dict) -> str:
     """What identifies a dataset (checkpoints record it): a hash of its canonical JSON."""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -292,7 +285,7 @@ class ShardDataset(torch.utils.data.Dataset):
         path = self.dir / s["file"]
         if not path.is_file():
             raise EaglewireError(f"{path}: listed in the manifest but missing; run datagen again")
-        if _sha256(path) != s["sha256"]:
+        if file_digest(path) != s["sha256"]:
             raise EaglewireError(f"{path}: sha256 differs from the manifest (corrupt or replaced shard); "
                                  "delete the directory and run datagen again")
         self._verified.add(k)

@@ -24,7 +24,6 @@ target's chat template turns them into prompts (`encode_prompt`). Choices, per s
 from __future__ import annotations
 
 import gzip
-import hashlib
 import importlib.util
 import json
 import os
@@ -39,6 +38,7 @@ from typing import Callable
 import torch
 
 from .errors import EaglewireError, UsageError
+from .files import file_digest
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n"
 
@@ -121,14 +121,6 @@ def suites_home() -> Path:
     from .targets import home
 
     return home() / "suites"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _installed_file(s: PackagedSuite) -> Path | None:
@@ -229,7 +221,7 @@ def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
     path = suite_file(spec)
     records = _read_jsonl(path, spec)
     convs = [s.to_messages(r) for r in records[:limit]]
-    return SuitePrompts(name=spec, source=s.package, path=path, sha256=_sha256(path), conversations=convs,
+    return SuitePrompts(name=spec, source=s.package, path=path, sha256=file_digest(path), conversations=convs,
                         notes=[s.note])
 
 

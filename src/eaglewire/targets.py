@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .errors import EaglewireError, UsageError
+from .files import file_digest
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,6 @@ DEFAULT_TARGET = "smollm2-135m"
 
 def home() -> Path:
     return Path(os.environ.get("EAGLEWIRE_HOME", Path.home() / ".cache" / "eaglewire"))
-
-
-def _md5(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _find_gguf(t: EmbeddedTarget, workdir: Path, local: Path | None = None) -> Path:
@@ -97,7 +90,7 @@ def prepare(name: str, gguf: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
         tmp = Path(tmp)
         gguf = _find_gguf(t, tmp, gguf)
-        if gguf.stat().st_size != t.size or _md5(gguf) != t.md5:
+        if gguf.stat().st_size != t.size or file_digest(gguf, "md5") != t.md5:
             raise EaglewireError(f"{gguf}: size or md5 differs from the published {t.package} file; "
                                  "reinstall the package")
         print(f"eaglewire: dequantizing {gguf.name} once (about half a minute on a CPU)", file=sys.stderr)
@@ -184,6 +177,15 @@ def load_target(spec: str, dtype: torch.dtype | None = None, device: str | torch
     model.to(device).eval()
     model.requires_grad_(False)
     return Target(spec=spec, model=model, tokenizer=tok, fingerprint=fingerprint(model, tok))
+
+
+def eos_ids(target) -> list[int]:
+    """End-of-sequence ids from the tokenizer and the generation config, de-duplicated."""
+    ids = []
+    for v in (getattr(target.tokenizer, "eos_token_id", None),
+              getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
+        ids += v if isinstance(v, list) else [v]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def _hash_tensor(h, t: torch.Tensor, samples: int = 4096) -> None:
