@@ -371,3 +371,16 @@ def test_norm_output_feeds_back_the_post_norm_state_with_the_same_logits():
         torch.testing.assert_close(ho, base.norm(hb), **TOL)
         assert not torch.allclose(ho, hb, atol=1e-3)
     assert DraftConfig.from_dict(other.config.to_dict()).norm_output
+
+
+@pytest.mark.parametrize("family", ["gpt2", "deepseek_v3", "qwen3_moe", "gemma"])
+def test_for_target_shapes_a_draft_for_every_supported_family(family):
+    """GPT-2 has no intermediate_size (n_inner, None = 4 x hidden); MoE targets use the dense one."""
+    from tiny import tiny_model
+
+    cfg = tiny_model(family).config
+    dc = DraftConfig.for_target(cfg, num_taps=3, draft_vocab_size=64)
+    assert dc.hidden_size == 32 and dc.target_hidden_size == 32
+    assert dc.intermediate_size == (128 if family == "gpt2" else cfg.intermediate_size)
+    logits, h = Eagle3Draft(dc)(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 32), torch.arange(4)[None])
+    assert logits.shape == (1, 4, 64) and h.shape == (1, 4, 32)

@@ -163,7 +163,9 @@ class DraftConfig:
             raise UsageError(f"draft config: unknown override(s) {unknown}; known fields are {sorted(fields)}")
         theta, scaling = _target_rope(cfg)
         kw = dict(hidden_size=cfg.hidden_size, target_hidden_size=cfg.hidden_size,
-                  intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_attention_heads,
+                  # GPT-2 names it n_inner, and None there means 4 x hidden
+                  intermediate_size=getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
+                  or 4 * cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
                   num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
                   head_dim=getattr(cfg, "head_dim", None), vocab_size=cfg.vocab_size,
                   max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096), rope_theta=theta,
