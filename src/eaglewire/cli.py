@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "import": "eaglewire.interop.cli",
     "doctor": "eaglewire.doctor",
     "demo": "eaglewire.demo",
+    "recipe": "eaglewire.recipes",
 }
 
 

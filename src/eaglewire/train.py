@@ -1,0 +1,438 @@
+"""`eaglewire train`: an EAGLE-3 draft trained with training-time test, offline or online, 1..N devices.
+
+    eaglewire train --target T --data DIR --out CKPT               # from datagen shards
+    eaglewire train --target T --prompts FILE --online --out CKPT  # the target computes taps on the fly
+    torchrun --nproc_per_node 8 -m eaglewire.cli train ...          # DDP (nccl; gloo on CPUs), --fsdp for big drafts
+
+One step = grad_accum micro-batches on each of the world's ranks; micro-batches are length-grouped
+and hold <= batch_tokens padded tokens (or batch_size samples). The plan of every epoch is a pure
+function of (seed, epoch, data), so a resumed or multi-rank run trains on exactly the batches an
+uninterrupted single-process run would. See ttt.py for the loss and metrics.py for the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, datagen, metrics, parallel, shards, targets, train_data, train_state
+from .capture import capture, locate
+from .draft import DraftConfig, Eagle3Draft
+from .errors import EaglewireError, UsageError
+from .parallel import Dist
+from .taps import TapContract
+from .train_config import PEAK_TFLOPS, TrainConfig, flops_per_token, lr_at
+from .ttt import TTTModel, TTTSpec, target_side
+from .vocab import select_draft_vocab
+
+TAP_STATS_TOKENS = 4096  # tokens of training data the checkpoint's tap statistics are taken over
+# Settings that change neither the batches nor the weights: a run may resume with other values.
+RUNTIME_FIELDS = {"device", "num_workers", "log_every", "eval_every", "ckpt_every", "time_budget_s"}
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    checkpoint: Path
+    metrics: dict
+
+
+class _Run:
+    def __init__(self, cfg: TrainConfig, target, data, out: Path, resume: bool, progress: bool, dist: Dist):
+        self.cfg, self.out, self.progress, self.dist = cfg, out, progress, dist
+        self.device = self.dist.device
+        self.status = train_state.out_status(out, resume)
+        self.dist.barrier()  # every rank has looked at --out before rank 0 writes there
+        if self.status == "done":
+            return
+        self.autocast = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
+        self.target = target if isinstance(target, targets.Target) else targets.load_target(target, device=self.device)
+        self.stack = locate(self.target.model)
+        self.corpus = self._corpus(data)
+        self.contract = self.corpus.contract
+        self.train_idx, self.eval_idx = train_data.split(len(self.corpus), cfg.eval_fraction, cfg.seed)
+        self.draft = self._draft()
+        self.spec = TTTSpec(cfg.ttt_steps, cfg.ttt_decay, cfg.loss)
+        self.inner = TTTModel(self.draft, self.spec)
+        self.model = parallel.wrap(self.inner, self.dist, cfg.fsdp)
+        self.params = [p for p in self.inner.parameters() if p.requires_grad]
+        decay = [p for p in self.params if p.dim() >= 2]
+        flat = [p for p in self.params if p.dim() < 2]
+        self.optim = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                        {"params": flat, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas,
+                                       fused=self.device.type == "cuda" or None)
+        self.schedule = train_data.Schedule(self.train_idx, self.corpus.lengths, cfg.seed, cfg.batch_tokens,
+                                            cfg.batch_size, cfg.grad_accum * self.dist.world)
+        self.total = self.schedule.total_steps(cfg.epochs, cfg.steps)
+        self.eval_every = cfg.eval_every or max(1, self.total // 10)
+        self.ckpt_every = max(1, self.total // 10) if cfg.ckpt_every is None else cfg.ckpt_every
+        mean_len = sum(self.corpus.lengths) / len(self.corpus)
+        self.flops = flops_per_token(self.draft.config, self.target.model, cfg.ttt_steps, mean_len,
+                                     self.corpus.mode == "online")
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _corpus(self, data) -> train_data.Corpus:
+        cfg, n = self.cfg, self.target.num_layers
+        want = TapContract(n, cfg.taps) if cfg.taps is not None else None
+        if isinstance(data, (str, Path)) and Path(data).is_dir():
+            if want is not None:
+                found = TapContract.from_dict(shards.read_manifest(data)["contract"])
+                if found != want:
+                    raise UsageError(f"--taps {list(want.taps)} differ from the taps {list(found.taps)} of --data "
+                                     f"{data} (manifest.json 'contract'): train with the data's taps, or run datagen "
+                                     "again with --taps")
+            return train_data.open_offline(data, self.target.fingerprint, want, cfg.max_len)
+        contract = want or TapContract.default(n)
+        return train_data.build_online(self.target, data, contract, cfg.max_len, cfg.gen(), self.dist.rank,
+                                       self.dist.world)
+
+    def _draft(self) -> Eagle3Draft:
+        cfg, tc = self.cfg, self.target.config
+        V = tc.vocab_size
+        size = min(cfg.draft_vocab_size or 32000, V)
+        always = datagen.stop_ids(self.target)  # the draft must be able to end a reply
+        d2t, t2d = select_draft_vocab(dict(self.corpus.token_freqs), size, always=always, vocab_size=V)
+        over = {"num_layers": cfg.draft_layers, **(cfg.draft_overrides or {})}
+        over.setdefault("max_position_embeddings", max(getattr(tc, "max_position_embeddings", 0) or 0,
+                                                       cfg.max_len + cfg.ttt_steps))
+        dcfg = DraftConfig.for_target(self.target.model.config, len(self.contract.taps), size, **over)
+        torch.manual_seed(cfg.seed)
+        draft = Eagle3Draft(dcfg)
+        if dcfg.hidden_size == dcfg.target_hidden_size:
+            draft.load_target_embedding(self.stack.embed.weight.detach().float().cpu())
+        draft.set_vocab(d2t, t2d)
+        draft.to(self.device)
+        self.draft_ids = draft.draft_to_target(torch.arange(size, device=self.device))
+        self.head = self.stack.lm_head
+        if self.head is None:
+            raise EaglewireError(f"--target {self.target.spec}: no lm_head found: the distillation target needs it")
+        return draft
+
+    # -- one micro-batch -----------------------------------------------------------------------
+    def _inputs(self, batch: dict) -> dict:
+        nb = self.device.type == "cuda"
+        ids = batch["input_ids"].to(self.device, non_blocking=nb)
+        if self.corpus.mode == "online":
+            am = batch["attention_mask"].to(self.device, non_blocking=nb)
+            cap = capture(self.target.model, ids, self.contract, attention_mask=am, final_norm=True, stack=self.stack)
+            taps, fh = cap.taps, cap.final_hidden
+            self.bad |= ~(torch.isfinite(taps).all() & torch.isfinite(fh).all())  # no host sync here
+        else:
+            taps = batch["taps"].to(self.device, non_blocking=nb)
+            fh = batch["final_hidden"].to(self.device, non_blocking=nb)
+        if not self.autocast:
+            taps = taps.float()
+        p, top, in_vocab = target_side(self.head, fh, self.draft.t2d, self.draft_ids, self.cfg.ttt_steps + 1)
+        return {"input_ids": ids, "loss_mask": batch["loss_mask"].to(self.device, non_blocking=nb), "taps": taps,
+                "target_p": p, "target_top": top, "in_vocab": in_vocab}
+
+    def _amp(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        c = self.cfg
+        batches = train_data.group(self.eval_idx, self.corpus.lengths, c.batch_tokens, c.batch_size)
+        counts = metrics.zeros(c.ttt_steps, self.device)
+        if batches:
+            w = self.dist.world
+            per = -(-len(batches) // w)  # equal forwards on every rank (FSDP all-gathers inside them)
+            mine = [(batches[i] if i < len(batches) else batches[0], i < len(batches))
+                    for i in range(self.dist.rank, per * w, w)]
+            self.inner.eval()
+            it = train_data.loader(self.corpus, [mb for mb, _ in mine], 0, False)
+            for (_, real), batch in zip(mine, it):
+                with self._amp():
+                    _, cnt = self.inner(**self._inputs(batch), denom=1.0)
+                counts += cnt if real else 0 * cnt
+            self.inner.train()
+        return metrics.summarize(self.dist.all_sum(counts))
+
+    # -- state ---------------------------------------------------------------------------------
+    def _identity(self) -> dict:
+        """What a resumed run must share with the one that saved the state (not where or how often it logs)."""
+        config = {k: v for k, v in self.cfg.to_dict().items() if k not in RUNTIME_FIELDS}
+        return {"config": config, "data": self.corpus.data_hash or self.corpus.provenance,
+                "target": self.target.fingerprint, "world": self.dist.world}
+
+    def save(self, step: int, acc: dict) -> None:
+        model_sd, optim_sd = parallel.full_state(self.inner, self.optim)  # a collective under FSDP: all ranks call
+        if self.dist.main:
+            meta = {"step": step, "identity": self._identity(), "acc_denom": acc["denom"],
+                    "acc_tokens": acc["tokens"], "total_steps": self.total,
+                    "next_lr": lr_at(self.cfg, step, self.total),
+                    "data_position": "the next step's micro-batches follow from (seed, step): epoch plans are pure"}
+            rng = {**train_state.rng_state(self.device), "acc_counts": acc["counts"].cpu()}
+            train_state.save_state(self.out, model_sd, optim_sd, rng, meta)
+        self.dist.barrier()
+
+    def load(self) -> tuple[int, dict]:
+        model_sd, optim_sd, rng, meta = train_state.load_state(self.out)
+        want, found = self._identity(), meta["identity"]
+        diffs = [k for k in want if json.dumps(want[k], sort_keys=True) != json.dumps(found.get(k), sort_keys=True)]
+        if diffs:
+            detail = [f"config.{f}" for f in want["config"] if want["config"][f] != found["config"].get(f)] \
+                + [k for k in diffs if k != "config"]
+            raise UsageError(f"--out {self.out}: the unfinished run there differs in {', '.join(detail)}; resume "
+                             "with the same target, data and settings, or choose another --out")
+        parallel.load_full_state(self.inner, self.optim, model_sd, optim_sd)
+        train_state.set_rng_state(rng, self.device)
+        acc = {"counts": rng["acc_counts"].to(self.device), "denom": meta["acc_denom"], "tokens": meta["acc_tokens"]}
+        return int(meta["step"]), acc
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        if self.status == "done":
+            meta = checkpoint.load_meta(self.out)
+            print(f"eaglewire train: {self.out} already holds the finished draft", file=sys.stderr)
+            return TrainResult(self.out, meta.metrics or {})
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        start, acc = self.load() if self.status == "resume" else (0, None)
+        acc = acc or self._fresh_acc()
+        if self.dist.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.log = metrics.JsonlLog(self.out / train_state.LOG, start if self.status == "resume" else None)
+        self.dist.barrier()
+        self.bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        bar = tqdm(total=self.total, initial=start, unit="step", desc="train", file=sys.stderr,
+                   disable=not (self.progress and self.dist.main), dynamic_ncols=True)
+        self.tick = time.perf_counter()
+        self.t_other = self.t_train = 0.0  # seconds in evals/saves since the last log; training seconds
+        self.tokens_run, done, stopped = 0, start, None
+        self.inner.train()
+        workers = cfg.num_workers if cfg.num_workers is not None else (4 if self.device.type == "cuda" else 0)
+        steps = train_data.rank_batches(self.corpus, self.schedule.steps(start, self.total), self.dist.rank,
+                                        cfg.grad_accum, workers, pin_memory=self.device.type == "cuda")
+        for step, epoch, group, batches in steps:
+            self._step(step, group, batches, acc)
+            bar.update(1)
+            done = step + 1
+            if done % cfg.log_every == 0 or done == self.total:
+                stopped = self._log(done, epoch, acc, bar)
+                acc = self._fresh_acc()
+            if done == self.total or stopped:
+                break
+            t = time.perf_counter()
+            if done % self.eval_every == 0:
+                self._log_eval(done)
+            if self.ckpt_every and done % self.ckpt_every == 0:
+                self.save(done, acc)
+            self.t_other += time.perf_counter() - t
+        bar.close()
+        return self._finish(done, stopped)
+
+    def _fresh_acc(self) -> dict:
+        return {"counts": metrics.zeros(self.cfg.ttt_steps, self.device), "denom": 0, "tokens": 0}
+
+    def _step(self, step: int, group: list[list[int]], batches: list[dict], acc: dict) -> None:
+        """One optimizer step over this rank's micro-batches; no host sync."""
+        cfg = self.cfg
+        denom = max(1, sum(self.corpus.loss_tokens[i] for mb in group for i in mb))  # all ranks' micro-batches
+        for j, batch in enumerate(batches):
+            inputs = self._inputs(batch)
+            with parallel.grad_sync(self.model, self.dist, cfg.fsdp, j == len(batches) - 1):
+                with self._amp():
+                    loss, cnt = self.model(**inputs, denom=denom / self.dist.world)  # ranks' grads are averaged
+                loss.backward()
+            acc["counts"] += cnt
+        norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.clip_grad if cfg.clip_grad > 0 else float("inf"))
+        self.norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+        self.bad |= ~torch.isfinite(self.norm)
+        for g in self.optim.param_groups:
+            g["lr"] = lr_at(cfg, step, self.total)
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        tokens = sum(self.corpus.lengths[i] for mb in group for i in mb)
+        acc["denom"] += denom
+        acc["tokens"] += tokens
+        self.tokens_run += tokens
+
+    def _log(self, done, epoch, acc, bar) -> str | None:
+        """One JSONL training record (the loop's only host sync); returns why training stops, if it does."""
+        cfg = self.cfg
+        counts = self.dist.all_sum(acc["counts"].clone())
+        flag = self.dist.all_sum(self.bad.double().reshape(1))
+        s = metrics.summarize(counts)
+        c = counts.cpu()
+        now = time.perf_counter()
+        seconds = max(now - self.tick - self.t_other, 1e-9)
+        self.t_train += seconds
+        self.tick, self.t_other = now, 0.0
+        loss = sum(cfg.ttt_decay ** k * float(c[k, 0]) for k in range(cfg.ttt_steps)) / max(1, acc["denom"])
+        tps = acc["tokens"] / seconds
+        rec = {"kind": "train", "step": done, "epoch": epoch, "lr": lr_at(cfg, done - 1, self.total), "loss": loss,
+               "loss_k": s["loss"], "acc": s["acc"], "grad_norm": float(self.norm), "tokens": acc["tokens"],
+               "tokens_per_s": tps, "mfu": self._mfu(tps)}
+        if self.dist.main:
+            self.log.write(rec)
+        bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{(s['acc'][0] or 0):.3f}", tok_s=f"{tps:.0f}", refresh=False)
+        if float(flag) > 0:
+            raise EaglewireError(f"non-finite loss, gradient or hidden state by step {done}: training stopped; the "
+                                 f"last resume state in {self.out} is intact (lower --lr, or check the target/data)")
+        if cfg.time_budget_s is not None:
+            late = torch.tensor([float(now - self.t_start > cfg.time_budget_s)], device=self.device)
+            if float(self.dist.all_sum(late)) > 0:
+                return f"time budget of {cfg.time_budget_s:g} s reached at step {done} of {self.total}"
+        return None
+
+    def _mfu(self, tokens_per_s: float | None) -> float | None:
+        if not tokens_per_s or self.device.type != "cuda":
+            return None  # the peak is a GPU's
+        return tokens_per_s * self.flops / (PEAK_TFLOPS * 1e12)
+
+    def _log_eval(self, done: int) -> dict:
+        s = self.evaluate()
+        if self.dist.main:
+            self.log.write({"kind": "eval", "step": done, **s})
+        return s
+
+    def _finish(self, done: int, stopped: str | None) -> TrainResult:
+        final = self._log_eval(done)
+        model_sd, _ = parallel.full_state(self.inner, None)
+        tps = self.tokens_run / self.t_train if self.t_train > 0 else None
+        if self.dist.main:
+            draft = Eagle3Draft(self.draft.config)
+            draft.load_state_dict({k[len("draft."):]: v for k, v in model_sd.items() if k.startswith("draft.")})
+            training = {"config": self.cfg.to_dict(), "data": self.corpus.provenance, "steps": done,
+                        "planned_steps": self.total, "stopped_early": stopped, "world_size": self.dist.world,
+                        "flops_per_token": self.flops, "peak_tflops": PEAK_TFLOPS, "train_seconds": self.t_train,
+                        "tokens_per_s": tps, "mfu": self._mfu(tps)}
+            result = {"heldout": metrics.rounded(final), "eval_samples": len(self.eval_idx),
+                      "train_samples": len(self.train_idx)}
+            train_state.finish(self.out, draft, contract=self.contract, target_fingerprint=self.target.fingerprint,
+                               data_manifest_hash=self.corpus.data_hash, training=training, metrics=result,
+                               tap_stats=train_data.tap_stats(self.corpus, self.train_idx, self.target.model,
+                                                              self.stack, TAP_STATS_TOKENS))
+            try:
+                metrics.plot_curves(self.out / train_state.LOG, self.out / train_state.PNG)
+            except Exception as e:  # a plot must not cost the checkpoint
+                print(f"eaglewire train: could not draw {train_state.PNG}: {e}", file=sys.stderr)
+            train_state.drop_state(self.out)
+        self.dist.barrier()
+        return TrainResult(self.out, {"heldout": final, "steps": done, "stopped_early": stopped,
+                                      "tokens_per_s": tps, "mfu": self._mfu(tps), "flops_per_token": self.flops,
+                                      "peak_tflops": PEAK_TFLOPS,
+                                      "train_seconds": self.t_train})
+
+
+def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = False,
+          progress: bool = True) -> TrainResult:
+    """Train a draft. target: a registry name / model path, or a loaded targets.Target.
+
+    data_or_prompts: a datagen directory (offline) or a prompt file (online). Writes the native
+    checkpoint, train_log.jsonl and train_curves.png into `out` (rank 0), and returns its path and
+    the held-out metrics.
+    """
+    t_start = time.perf_counter()  # the time budget counts setup (loading, regeneration) too
+    dist, out, run = Dist.setup(cfg.device), Path(out), None
+    created = not out.exists()
+    try:
+        run = _Run(cfg, target, data_or_prompts, out, resume, progress, dist)
+        run.t_start = t_start
+        return run.run()
+    except BaseException:
+        if run is not None and run.status == "fresh" and dist.main:
+            train_state.discard(out, created)  # a run that saved nothing leaves nothing behind
+        raise
+    finally:
+        dist.close()
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def config_from_args(args) -> TrainConfig:
+    fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
+    if args.taps is not None and args.taps != "default":
+        try:
+            fields["taps"] = tuple(int(t) for t in args.taps.split(",") if t.strip())
+        except ValueError:
+            raise UsageError(f"--taps must be comma-separated integers (canonical taps), got {args.taps!r}") from None
+    if args.draft_config is not None:
+        try:
+            fields["draft_overrides"] = json.loads(args.draft_config)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--draft-config must be a JSON object of DraftConfig fields ({e.msg})") from None
+    if args.betas is not None:
+        fields["betas"] = tuple(args.betas)
+    return TrainConfig(**fields)
+
+
+def cmd_train(args) -> int:
+    if args.prompts and not args.online:
+        raise UsageError("--prompts trains online (the target computes the taps): pass --online, or build shards "
+                         "with `eaglewire datagen` and pass --data")
+    if args.online and not args.prompts:
+        raise UsageError("--online needs --prompts FILE (--data is for offline shards)")
+    if args.regen and not args.online:
+        raise UsageError("--regen belongs to online training; offline data is regenerated by "
+                         "`eaglewire datagen --regen`")
+    if args.data and not Path(args.data).is_dir():
+        raise UsageError(f"--data {args.data}: no such directory (make one with `eaglewire datagen`)")
+    cfg = config_from_args(args)  # refuse bad settings before loading anything
+    result = train(cfg, args.target, args.data or args.prompts, out=args.out, resume=args.resume,
+                   progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        metrics.print_summary(result.checkpoint, result.metrics)
+    return 0
+
+
+def register(sub) -> None:
+    from .commands import add_target_arg
+
+    p = sub.add_parser("train", help="train an EAGLE-3 draft (training-time test) from datagen shards or online")
+    add_target_arg(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", metavar="DIR", help="a datagen directory (offline training)")
+    src.add_argument("--prompts", metavar="FILE", help="prompt/conversation file (online training, with --online)")
+    p.add_argument("--online", action="store_true", help="capture the taps with the target during training")
+    p.add_argument("--out", required=True, metavar="CKPT", help="checkpoint directory (created)")
+    p.add_argument("--resume", action="store_true", help="continue the unfinished run in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("schedule")
+    g.add_argument("--epochs", type=int, help="passes over the training split (default 1)")
+    g.add_argument("--steps", type=int, help="optimizer steps in all (overrides --epochs)")
+    g.add_argument("--batch-tokens", type=int, help="padded tokens per micro-batch (default 8192)")
+    g.add_argument("--batch-size", type=int, help="samples per micro-batch (instead of --batch-tokens)")
+    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step and rank (default 1)")
+    g.add_argument("--lr", type=float, help="peak learning rate (default 1e-4)")
+    g.add_argument("--min-lr-ratio", type=float, help="cosine floor as a fraction of --lr (default 0)")
+    g.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps)")
+    g.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (default 0)")
+    g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="AdamW betas (default 0.9 0.95)")
+    g.add_argument("--clip-grad", type=float, help="max gradient norm, 0 = off (default 0.5)")
+    g.add_argument("--max-len", type=int, help="tokens per sample (default 2048)")
+    g.add_argument("--time-budget-s", type=float, help="stop early (and save) after this many training seconds")
+    g = p.add_argument_group("draft and loss")
+    g.add_argument("--ttt-steps", type=int, help="training-time-test steps K (default 7)")
+    g.add_argument("--ttt-decay", type=float, help="loss weight decay**k of TTT step k (default 0.8)")
+    g.add_argument("--loss", choices=["soft-ce", "kl"], help="soft-ce (EAGLE-3, default) or kl (speculators)")
+    g.add_argument("--draft-vocab-size", type=int, help="draft vocabulary (default min(32000, target vocab))")
+    g.add_argument("--draft-layers", type=int, help="draft decoder layers (default 1)")
+    g.add_argument("--draft-config", metavar="JSON",
+                   help="other DraftConfig fields, e.g. '{\"norm_before_residual\": true}'")
+    g.add_argument("--taps", default=None, help="canonical taps (default: the data's; online 2,N//2,N-3)")
+    g = p.add_argument_group("evaluation, checkpoints, logging")
+    g.add_argument("--eval-fraction", type=float, help="held-out share of the samples (default 0.05)")
+    g.add_argument("--eval-every", type=int, help="steps between evaluations (default: 10 per run)")
+    g.add_argument("--ckpt-every", type=int, help="steps between resume states, 0 = none (default: 10 per run)")
+    g.add_argument("--log-every", type=int, help="steps between log lines (default 10)")
+    g.add_argument("--seed", type=int, help="initialisation, split and batch order (default 0)")
+    g = p.add_argument_group("devices")
+    g.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available; LOCAL_RANK under torchrun)")
+    g.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="auto: bf16 autocast on CUDA, fp32 on CPU")
+    g.add_argument("--fsdp", action="store_true", default=None, help="shard the draft with FSDP2 (torchrun)")
+    g.add_argument("--num-workers", type=int, help="data-loading workers (default 4 on CUDA, 0 on CPU)")
+    g = p.add_argument_group("online regeneration (--online --regen)")
+    g.add_argument("--regen", action="store_true", default=None, help="the target rewrites the assistant turns first")
+    g.add_argument("--regen-max-new-tokens", type=int, help="per reply (default 512)")
+    g.add_argument("--regen-temperature", type=float, help="0 = greedy (default)")
+    g.add_argument("--regen-batch-size", type=int, help="prompts per generate call (default 32)")
+    p.set_defaults(func=cmd_train)

@@ -1,0 +1,146 @@
+"""`TrainConfig`: everything that decides a trained draft (saved in its checkpoint), the learning-rate
+schedule, and the model-FLOPs estimate behind the reported MFU."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from . import datagen, targets
+from .capture import locate
+from .draft import DraftConfig
+from .errors import UsageError
+
+LOSSES = ("soft-ce", "kl")  # see ttt.py
+PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak, the denominator of the reported MFU
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that decides the trained weights (saved in the checkpoint). Flags: --field-name."""
+
+    epochs: int = 1
+    steps: int | None = None  # optimizer steps in all; overrides epochs
+    batch_tokens: int | None = None  # padded tokens per micro-batch (default 8192 unless batch_size)
+    batch_size: int | None = None  # samples per micro-batch instead
+    grad_accum: int = 1
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.0  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int | None = None  # default: 2% of the steps
+    weight_decay: float = 0.0  # on matrices only, never on norms
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip_grad: float = 0.5  # max global grad norm; 0 = off
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    loss: str = "soft-ce"
+    draft_vocab_size: int | None = None  # default min(32000, target vocab)
+    draft_layers: int = 1
+    draft_overrides: dict | None = None  # other DraftConfig fields (norm flags, hidden_size, ...)
+    taps: tuple[int, ...] | None = None  # None: the data's (offline) or the default 2,N//2,N-3 (online)
+    seed: int = 0
+    eval_fraction: float = 0.05
+    eval_every: int | None = None  # steps; default: ten evaluations per run
+    ckpt_every: int | None = None  # steps; default: ten resume states per run; 0 = none
+    log_every: int = 10
+    max_len: int = 2048
+    device: str | None = None  # default cuda if available
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere; or "fp32" / "bf16"
+    fsdp: bool = False
+    num_workers: int | None = None  # data-loading workers (default 4 on CUDA, 0 on CPU)
+    regen: bool = False  # online: the target rewrites the assistant turns first (datagen --regen)
+    regen_max_new_tokens: int = 512
+    regen_temperature: float = 0.0
+    regen_batch_size: int = 32
+    time_budget_s: float | None = None  # stop early (and save) once training has run this long
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise UsageError(f"--{name.replace('_', '-')} {why}, got {getattr(self, name)!r}")
+
+        if self.batch_tokens is None and self.batch_size is None:
+            object.__setattr__(self, "batch_tokens", 8192)
+        if self.batch_tokens is not None and self.batch_size is not None:
+            raise UsageError("--batch-tokens and --batch-size exclude each other: give one")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if self.taps is not None:
+            object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
+        positive = ["epochs", "grad_accum", "ttt_steps", "draft_layers", "log_every", "regen_max_new_tokens",
+                    "regen_batch_size", "max_len"]
+        for name in positive + ["steps", "batch_tokens", "batch_size", "draft_vocab_size", "eval_every"]:
+            v = getattr(self, name)
+            if (v is not None or name in positive) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                bad(name, "must be a positive integer")
+        for name in ("warmup_steps", "ckpt_every", "num_workers"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                bad(name, "must be an integer >= 0")
+        if not self.lr > 0:
+            bad("lr", "must be > 0")
+        for name in ("min_lr_ratio", "eval_fraction"):
+            if not 0 <= getattr(self, name) < 1:
+                bad(name, "must be in [0, 1)")
+        if not 0 < self.ttt_decay <= 1:
+            bad("ttt_decay", "must be in (0, 1]")
+        if self.weight_decay < 0 or self.clip_grad < 0 or self.regen_temperature < 0:
+            raise UsageError("--weight-decay, --clip-grad and --regen-temperature must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            bad("betas", "must be two numbers in [0, 1)")
+        if self.loss not in LOSSES:
+            bad("loss", f"must be one of {list(LOSSES)}")
+        if self.dtype not in ("auto", "fp32", "bf16"):
+            bad("dtype", "must be auto, fp32 or bf16")
+        if self.batch_tokens is not None and self.batch_tokens < self.max_len:
+            raise UsageError(f"--batch-tokens {self.batch_tokens} is below --max-len {self.max_len}: a full-length "
+                             "sample would not fit a micro-batch")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            bad("time_budget_s", "must be > 0")
+        if self.draft_overrides is not None and not isinstance(self.draft_overrides, dict):
+            bad("draft_overrides", "must be a JSON object of DraftConfig fields")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UsageError(f"training config: unknown field(s) {unknown}")
+        return cls(**d)
+
+    def gen(self) -> datagen.GenConfig | None:
+        return datagen.GenConfig(max_new_tokens=self.regen_max_new_tokens, temperature=self.regen_temperature,
+                                 batch_size=self.regen_batch_size, seed=self.seed) if self.regen else None
+
+
+def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+    """Linear warmup, then cosine from lr to lr * min_lr_ratio (a pure function of the step)."""
+    warm = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.02 * total)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    low = cfg.lr * cfg.min_lr_ratio
+    return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def flops_per_token(d: DraftConfig, target_model, ttt_steps: int, mean_len: float, online: bool) -> float:
+    """Model FLOPs per trained token: draft fwd+bwd over K TTT steps (3x forward), plus the target's
+    lm_head (the distillation target) and, online, the target's forward. Causal attention over
+    mean_len/2 keys on average; matmul FLOPs = 2 x multiply-adds."""
+    q, kv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    layer0 = 2 * d.hidden_size * (q + 2 * kv) + q * d.hidden_size + 3 * d.hidden_size * d.intermediate_size
+    layer = d.hidden_size * (q + 2 * kv) + q * d.hidden_size + 3 * d.hidden_size * d.intermediate_size
+    per_step = 2 * (layer0 + (d.num_layers - 1) * layer + d.hidden_size * d.draft_vocab_size)
+    per_step += d.num_layers * 4 * q * (mean_len / 2)
+    draft = 3 * (2 * d.fc_in_features * d.hidden_size + ttt_steps * per_step)
+    tc = targets.text_config(target_model.config)
+    stack = locate(target_model)
+    head = stack.lm_head.weight.numel() if stack.lm_head is not None else tc.vocab_size * tc.hidden_size
+    target = 2 * head
+    if online:
+        body = sum(p.numel() for p in stack.layers.parameters())
+        hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        target += 2 * body + tc.num_hidden_layers * 4 * tc.num_attention_heads * hd * (mean_len / 2)
+    return float(draft + target)

