@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, datagen, metrics, parallel, shards, targets, train_data, train_state
+from . import checkpoint, metrics, parallel, shards, targets, train_data, train_state
 from .capture import capture, locate
 from .draft import DraftConfig, Eagle3Draft
 from .errors import EaglewireError, UsageError
@@ -96,7 +96,7 @@ class _Run:
         cfg, tc = self.cfg, self.target.config
         V = tc.vocab_size
         size = min(cfg.draft_vocab_size or 32000, V)
-        always = datagen.stop_ids(self.target)  # the draft must be able to end a reply
+        always = targets.eos_ids(self.target)  # the draft must be able to end a reply
         d2t, t2d = select_draft_vocab(dict(self.corpus.token_freqs), size, always=always, vocab_size=V)
         over = {"num_layers": cfg.draft_layers, **(cfg.draft_overrides or {})}
         over.setdefault("max_position_embeddings", max(getattr(tc, "max_position_embeddings", 0) or 0,
