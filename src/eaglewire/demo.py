@@ -52,8 +52,8 @@ def cmd_demo(args) -> int:
            "--plot", str(out / "acceptance.png")])
     for fmt in ("sglang", "vllm"):
         exported = out / f"export-{fmt}"
-        _step(f"export for {fmt}", ["export", "--draft", str(draft), "--format", fmt, "--out", str(exported)])
-        print((exported / "SERVE.md").read_text())
+        _step(f"export for {fmt} (prints the serve command)",
+              ["export", "--draft", str(draft), "--format", fmt, "--out", str(exported)])
         _step(f"doctor: the {fmt} export against the target, with a probe",
               ["doctor", "--draft", str(exported), "--target", t, "--engine", fmt, "--probe", "4",
                "--prompts", str(prompts), "--records", str(draft)])
