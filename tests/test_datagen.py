@@ -23,14 +23,7 @@ from eaglewire.taps import TapContract
 CONTRACT = TapContract(4, (1, 2, 4))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Models this small gain nothing from threads, and on a busy 2-core machine OpenMP's spinning
-    # threads make every matmul several times slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_target(root, family):

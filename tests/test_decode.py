@@ -38,13 +38,7 @@ def save_load(draft, contract, target, path):
     return load_draft(path)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and the test machine's cores are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def new_draft(model, contract=CONTRACT, draft_vocab=None, seed=0):

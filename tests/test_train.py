@@ -28,13 +28,7 @@ FAST = dict(batch_tokens=512, log_every=2, eval_fraction=0.2, max_len=256, lr=3e
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two busy cores: OpenMP threads spinning against other processes make tiny matmuls 100x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -243,21 +243,23 @@ def _speculators_tokens(draft_config: dict) -> int | None:
 
 def with_option(text: str, option: str, value) -> str:
     """`text` with `--option value` set (replacing any earlier value), for fixes that are arguments."""
-    toks = shlex.split(text)
-    out, i = [], 0
     norm = option.lstrip("-").replace("_", "-")
+    return shlex.join(_without(shlex.split(text), lambda name: name == norm) + [f"--{norm}", str(value)])
+
+
+def _without(toks: list[str], drop) -> list[str]:
+    """The tokens less every option whose normalised name `drop(name)` selects, with its value."""
+    out, i = [], 0
     while i < len(toks):
         t = toks[i]
-        name = t[2:].partition("=")[0].replace("_", "-") if t.startswith("--") else None
-        if name == norm:
+        name = t[2:].partition("=")[0].replace("_", "-") if t.startswith("--") else ""
+        if name and drop(name):
             if "=" not in t and i + 1 < len(toks) and not toks[i + 1].startswith("--"):
-                i += 1
-            i += 1
-            continue
-        out.append(t)
+                i += 1  # its value
+        else:
+            out.append(t)
         i += 1
-    out += [f"--{norm}", str(value)]
-    return shlex.join(out)
+    return out
 
 
 def with_speculative_config(text: str, **values) -> str:
@@ -265,16 +267,6 @@ def with_speculative_config(text: str, **values) -> str:
     given = _tokens(text)
     cfg = {k: v for k, v in _speculative_config(given).items()}
     cfg.update(values)
-    toks, out, i = shlex.split(text), [], 0
-    while i < len(toks):  # drop every spelling of the old speculative config
-        t = toks[i]
-        name = t[2:].partition("=")[0].replace("_", "-") if t.startswith("--") else ""
-        if name == "speculative-config" or name.startswith("speculative-config.") or name in (
-                "speculative-model", "num-speculative-tokens"):
-            if "=" not in t and i + 1 < len(toks) and not toks[i + 1].startswith("--"):
-                i += 1
-            i += 1
-            continue
-        out.append(t)
-        i += 1
+    out = _without(shlex.split(text), lambda name: name == "speculative-config" or  # every old spelling
+                   name.startswith("speculative-config.") or name in ("speculative-model", "num-speculative-tokens"))
     return shlex.join(out + ["--speculative-config", json.dumps(cfg)])
