@@ -1,5 +1,7 @@
 """Shared fixtures. Test modules import their helpers (tiny.py, ...) from this folder."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -12,3 +14,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@contextmanager
+def no_hooks_left(module):
+    """Hooks installed during the block must all be removed by its end."""
+    count = lambda: sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())  # noqa: E731
+    before = count()
+    yield
+    assert count() == before, f"{count() - before} hooks leaked"

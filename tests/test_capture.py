@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from eaglewire.capture import TapHooks, capture, locate, no_hooks_left
+from eaglewire.capture import TapHooks, capture, locate
+from conftest import no_hooks_left
 from eaglewire.errors import UnknownArchitectureError
 from eaglewire.taps import TapContract
 

@@ -14,7 +14,8 @@ import torch
 
 import eaglewire.decode as decode
 from eaglewire.acceptance import SamplingParams, logits_to_probs
-from eaglewire.capture import capture, no_hooks_left
+from eaglewire.capture import capture
+from conftest import no_hooks_left
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.errors import UsageError

@@ -7,7 +7,6 @@ captured on request.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -161,11 +160,3 @@ def capture(model: nn.Module, input_ids: torch.Tensor, contract: TapContract, at
             stack.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return Captured(hooks.taps, hooks.final, out.logits if logits else None)
 
-
-@contextmanager
-def no_hooks_left(module: nn.Module):
-    """Assert helper for tests and long-lived decoders: hooks must not leak."""
-    before = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
-    yield
-    after = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
-    assert before == after, f"{after - before} hooks leaked"

@@ -36,17 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"eaglewire {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    seen = set()
-    for module in dict.fromkeys(COMMANDS.values()):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if not module.startswith(e.name or "?"):
-                raise
-            continue  # command not built yet
-        if module not in seen:
-            mod.register(sub)
-            seen.add(module)
+    for module in dict.fromkeys(COMMANDS.values()):  # a module may register several commands
+        importlib.import_module(module).register(sub)
     return parser
 
 
