@@ -19,7 +19,7 @@ from eaglewire.datagen import run_datagen
 from eaglewire.errors import EaglewireError, UsageError
 from eaglewire.train import train
 from eaglewire.train_config import TrainConfig, lr_at
-from eaglewire.ttt import TTTModel, TTTSpec, target_side
+from eaglewire.ttt import TTTModel, TTTSpec, soft_cross_entropy, target_side
 
 from chat_target import CONTRACT, conversations_file, make_target
 
@@ -92,6 +92,23 @@ def test_ttt_step_one_is_supervised_by_the_target_at_the_next_position(target, d
     assert torch.allclose(counts[0, metrics.F["loss_sum"]].float(), ce[where].sum(), rtol=1e-5)
     correct = (logits[0].argmax(-1) == ref.argmax(-1)) & where
     assert counts[0, metrics.F["correct"]] == correct.sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_cross_entropy_matches_the_log_softmax_form_in_value_and_gradient(dtype):
+    """The lse form equals EAGLE-3's -(p * log_softmax(logits)).sum(-1) (SpecForge core/eagle3.py)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(3, 5, 50, generator=g)).to(dtype).requires_grad_()
+    p = torch.softmax(3 * torch.randn(3, 5, 50, generator=g), -1)
+    w = torch.rand(3, 5, generator=g)
+    ours = soft_cross_entropy(logits, p)
+    (gours,) = torch.autograd.grad((ours * w).sum(), logits)
+    ref = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)
+    (gref,) = torch.autograd.grad((ref * w).sum(), logits)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(gours.float(), gref.float(), rtol=tol, atol=tol)
 
 
 def test_acceptance_length_from_conditional_accuracies():
@@ -347,6 +364,22 @@ def test_out_directory_is_never_overwritten(target, data, root, target_dir, caps
     assert cli.main(["train", "--target", str(target_dir), "--prompts", str(data / "manifest.json"),
                      "--out", str(root / "x")]) == 2
     assert "pass --online" in capsys.readouterr().err
+
+
+def test_lr_cosine_ends_at_the_horizon_when_one_is_given():
+    cfg = TrainConfig(lr=1e-3, min_lr_ratio=0.1, warmup_steps=10)
+    assert lr_at(cfg, 5, 1000, horizon=100) == lr_at(cfg, 5, 1000)  # warmup follows the planned total
+    assert lr_at(cfg, 99, 1000, horizon=100) == pytest.approx(1e-4, rel=1e-2)
+    assert lr_at(cfg, 500, 1000, horizon=100) == pytest.approx(1e-4)  # past the horizon: the floor
+    assert lr_at(cfg, 99, 1000, horizon=5000) == lr_at(cfg, 99, 1000)  # never beyond the plan
+
+
+def test_a_budget_the_run_fits_in_leaves_the_schedule_alone(target, data, root):
+    plain = train(TrainConfig(steps=6, **FAST), target, data, out=root / "plain", progress=False)
+    timed = train(TrainConfig(steps=6, time_budget_s=3600, **FAST), target, data, out=root / "timed", progress=False)
+    assert load_draft(timed.checkpoint)[1].training["lr_horizon"] == 6
+    for k, v in weights(root / "plain").items():
+        assert torch.equal(v, weights(root / "timed")[k]), k
 
 
 def test_time_budget_stops_early_and_still_saves(target, data, root):

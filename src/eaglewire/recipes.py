@@ -63,11 +63,12 @@ RECIPES: dict[str, Recipe] = {
     # H200 (one 10-minute call): regeneration of ~11k first-turn replies in batches of 768 sequences
     # (HF generate is launch-bound at small batches, so the batch is what buys throughput), then
     # online training with 16k-token micro-batches in bf16 until the budget says stop. The draft
-    # vocabulary is EAGLE-3's 32000. lr 1e-3 and epochs past the budget: on the H200 (2026-11-29,
-    # docs/PERFORMANCE.md) 3e-4 for 2 epochs reached acc@1 0.22, 1e-3 for 170 s reached 0.42 and was still rising.
+    # vocabulary is EAGLE-3's 32000. lr 1e-3 and more epochs than the budget allows: the clock stops
+    # training and the cosine is moved to end there (train.py); on the H200 (2026-11-29, docs/PERFORMANCE.md)
+    # 3e-4 for 2 epochs reached acc@1 0.22, 1e-3 for 170 s reached 0.42 and was still rising.
     "full": Recipe(name="full", device="cuda", mode="online", max_prompts=None, max_len=1024, budget_s=570,
                    reserve_s=30, gen=datagen.GenConfig(max_new_tokens=256, batch_size=768),
-                   train=TrainConfig(epochs=8, batch_tokens=16384, lr=1e-3, min_lr_ratio=0.1, draft_vocab_size=32000,
+                   train=TrainConfig(epochs=20, batch_tokens=16384, lr=1e-3, min_lr_ratio=0.1, draft_vocab_size=32000,
                                      eval_fraction=0.02, log_every=25, ckpt_every=0, max_len=1024, num_workers=0)),
 }
 

@@ -70,6 +70,7 @@ class _Run:
         self.schedule = train_data.Schedule(self.train_idx, self.corpus.lengths, cfg.seed, cfg.batch_tokens,
                                             cfg.batch_size, cfg.grad_accum * self.dist.world)
         self.total = self.schedule.total_steps(cfg.epochs, cfg.steps)
+        self.horizon = self.total  # where the cosine ends: moved to the clock's end under a time budget
         self.eval_every = cfg.eval_every or max(1, self.total // 10)
         self.ckpt_every = max(1, self.total // 10) if cfg.ckpt_every is None else cfg.ckpt_every
         mean_len = sum(self.corpus.lengths) / len(self.corpus)
@@ -166,7 +167,7 @@ class _Run:
         if self.dist.main:
             meta = {"step": step, "identity": self._identity(), "acc_denom": acc["denom"],
                     "acc_tokens": acc["tokens"], "total_steps": self.total,
-                    "next_lr": lr_at(self.cfg, step, self.total),
+                    "next_lr": lr_at(self.cfg, step, self.total, self.horizon), "horizon": self.horizon,
                     "data_position": "the next step's micro-batches follow from (seed, step): epoch plans are pure"}
             rng = {**train_state.rng_state(self.device), "acc_counts": acc["counts"].cpu()}
             train_state.save_state(self.out, model_sd, optim_sd, rng, meta)
@@ -184,6 +185,7 @@ class _Run:
         parallel.load_full_state(self.inner, self.optim, model_sd, optim_sd)
         train_state.set_rng_state(rng, self.device)
         acc = {"counts": rng["acc_counts"].to(self.device), "denom": meta["acc_denom"], "tokens": meta["acc_tokens"]}
+        self.horizon = int(meta.get("horizon", self.total))
         return int(meta["step"]), acc
 
     # -- the loop ------------------------------------------------------------------------------
@@ -204,7 +206,7 @@ class _Run:
         self.bad = torch.zeros((), dtype=torch.bool, device=self.device)
         bar = tqdm(total=self.total, initial=start, unit="step", desc="train", file=sys.stderr,
                    disable=not (self.progress and self.dist.main), dynamic_ncols=True)
-        self.tick = time.perf_counter()
+        self.tick, self.logged_at = time.perf_counter(), start
         self.t_other = self.t_train = 0.0  # seconds in evals/saves since the last log; training seconds
         self.tokens_run, done, stopped = 0, start, None
         self.inner.train()
@@ -247,7 +249,7 @@ class _Run:
         self.norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
         self.bad |= ~torch.isfinite(self.norm)
         for g in self.optim.param_groups:
-            g["lr"] = lr_at(cfg, step, self.total)
+            g["lr"] = lr_at(cfg, step, self.total, self.horizon)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         tokens = sum(self.corpus.lengths[i] for mb in group for i in mb)
@@ -264,11 +266,12 @@ class _Run:
         c = counts.cpu()
         now = time.perf_counter()
         seconds = max(now - self.tick - self.t_other, 1e-9)
+        wall, steps_logged = now - self.tick, done - self.logged_at  # evaluations and saves included
         self.t_train += seconds
-        self.tick, self.t_other = now, 0.0
+        self.tick, self.t_other, self.logged_at = now, 0.0, done
         loss = sum(cfg.ttt_decay ** k * float(c[k, 0]) for k in range(cfg.ttt_steps)) / max(1, acc["denom"])
         tps = acc["tokens"] / seconds
-        rec = {"kind": "train", "step": done, "epoch": epoch, "lr": lr_at(cfg, done - 1, self.total), "loss": loss,
+        rec = {"kind": "train", "step": done, "epoch": epoch, "lr": lr_at(cfg, done - 1, self.total, self.horizon), "loss": loss,
                "loss_k": s["loss"], "acc": s["acc"], "grad_norm": float(self.norm), "tokens": acc["tokens"],
                "tokens_per_s": tps, "mfu": self._mfu(tps)}
         if self.dist.main:
@@ -281,7 +284,17 @@ class _Run:
             late = torch.tensor([float(now - self.t_start > cfg.time_budget_s)], device=self.device)
             if float(self.dist.all_sum(late)) > 0:
                 return f"time budget of {cfg.time_budget_s:g} s reached at step {done} of {self.total}"
+            self._move_horizon(done, now, wall, steps_logged)
         return None
+
+    def _move_horizon(self, done: int, now: float, seconds: float, steps: int) -> None:
+        """Under a time budget, end the cosine at the step the clock will stop training at (estimated
+        from the last log interval, evaluations included), so a budget-stopped draft is annealed.
+        Rank 0 decides: every rank must use the same learning rate."""
+        left = self.cfg.time_budget_s - (now - self.t_start)
+        est = done + int(left / max(seconds / max(steps, 1), 1e-9))
+        h = torch.tensor([float(min(self.total, max(done, est))) if self.dist.main else 0.0], device=self.device)
+        self.horizon = int(float(self.dist.all_sum(h)))
 
     def _mfu(self, tokens_per_s: float | None) -> float | None:
         if not tokens_per_s or self.device.type != "cuda":
@@ -302,7 +315,7 @@ class _Run:
             draft = Eagle3Draft(self.draft.config)
             draft.load_state_dict({k[len("draft."):]: v for k, v in model_sd.items() if k.startswith("draft.")})
             training = {"config": self.cfg.to_dict(), "data": self.corpus.provenance, "steps": done,
-                        "planned_steps": self.total, "stopped_early": stopped, "world_size": self.dist.world,
+                        "planned_steps": self.total, "lr_horizon": self.horizon, "stopped_early": stopped, "world_size": self.dist.world,
                         "flops_per_token": self.flops, "peak_tflops": PEAK_TFLOPS, "train_seconds": self.t_train,
                         "tokens_per_s": tps, "mfu": self._mfu(tps)}
             result = {"heldout": metrics.rounded(final), "eval_samples": len(self.eval_idx),

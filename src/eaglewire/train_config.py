@@ -115,12 +115,17 @@ class TrainConfig:
                                  batch_size=self.regen_batch_size, seed=self.seed) if self.regen else None
 
 
-def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
-    """Linear warmup, then cosine from lr to lr * min_lr_ratio (a pure function of the step)."""
+def lr_at(cfg: TrainConfig, step: int, total: int, horizon: int | None = None) -> float:
+    """Linear warmup, then cosine from lr to lr * min_lr_ratio at step `horizon` (default: total).
+
+    A pure function of its arguments. Under a time budget the trainer moves the horizon to the
+    step the clock will stop it at, so the cosine still ends at its floor (train.py `_log`).
+    """
     warm = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.02 * total)
     if step < warm:
         return cfg.lr * (step + 1) / warm
-    progress = (step - warm) / max(1, total - warm)
+    end = total if horizon is None else min(total, horizon)
+    progress = (step - warm) / max(1, end - warm)
     low = cfg.lr * cfg.min_lr_ratio
     return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 

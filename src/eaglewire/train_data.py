@@ -21,7 +21,7 @@ from .errors import EaglewireError, UsageError
 from .taps import TapContract
 
 SCAN_ROWS = 1 << 16  # rows per finiteness check: bounded memory on big shards
-PAD_MULTIPLE = 8  # micro-batch widths rounded up: fewer distinct shapes for the allocator and kernels
+PAD_MULTIPLE = 64  # micro-batch widths rounded up: few distinct shapes for the allocator, cuDNN plans and kernels
 
 
 @dataclass

@@ -29,6 +29,29 @@ from torch import nn
 from .draft import Eagle3Draft, ttt_mask
 
 
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """-sum_v p(v) log softmax(logits)(v) per row, as lse(logits) * sum(p) - sum(p * logits).
+
+    Same value and gradient as `-(p * logits.float().log_softmax(-1)).sum(-1)`, without an fp32
+    log-softmax the size of the vocabulary per TTT step; on CUDA `torch.compile` fuses it into one
+    pass over logits and p forward and one backward (the unfused form was over half of a training
+    step's GPU time on the H200, docs/PERFORMANCE.md).
+    """
+    lf = logits.float()
+    return torch.logsumexp(lf, dim=-1) * p.sum(-1) - (p * lf).sum(-1)
+
+
+_fused_soft_ce = None
+
+
+def _soft_ce(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    global _fused_soft_ce
+    if not logits.is_cuda:
+        return soft_cross_entropy(logits, p)
+    if _fused_soft_ce is None:  # batch shapes vary: one dynamic-shape kernel pair for all of them
+        _fused_soft_ce = torch.compile(soft_cross_entropy, dynamic=True)
+    return _fused_soft_ce(logits, p)
+
 
 @dataclass(frozen=True)
 class TTTSpec:
@@ -81,8 +104,7 @@ class TTTModel(nn.Module):
             top = target_top[:, k + 1:k + 1 + T]  # (B, T)
             m = lm[:, k + 2:k + 2 + T]  # the predicted token x_{t+2+k} is an assistant token
             where = m if kl else m & in_vocab[:, k + 1:k + 1 + T]
-            logq = torch.log_softmax(logits.float(), dim=-1)  # (B, T, Vd)
-            per = -(p * logq).sum(-1)  # soft cross-entropy (B, T)
+            per = _soft_ce(logits, p)  # (B, T)
             if kl:
                 per = per + torch.xlogy(p, p).sum(-1)  # minus the target's entropy: KL(p || q)
             step_loss = torch.where(where, per, 0.0).sum()
