@@ -19,7 +19,7 @@ from conftest import no_hooks_left
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.errors import UsageError
-from eaglewire.runners import DraftRunner, SlotRunner, TargetRunner
+from eaglewire.runners import CompileError, DraftRunner, SlotRunner, TargetRunner
 from eaglewire.targets import Target, fingerprint
 from eaglewire.taps import TapContract
 from eaglewire.vocab import target_to_draft_ids
@@ -274,6 +274,41 @@ def test_fake_cuda_graphs_replay_static_buffers(llama, seqs, drafts, monkeypatch
             assert dec.generate_plain(p, 24).tokens == ref
     # per decoder: one verify graph and one plain graph; the draft's extends (taps) and steps (hidden)
     assert captured.count("TargetRunner") == 4 and captured.count("DraftRunner") >= 4
+
+
+def test_compiled_greedy_equals_target_greedy(llama, seqs, drafts):
+    """compile=True (static shapes, no graphs on a CPU): the same tokens; one compiled graph per padded
+    size and input kind the runners met, and none more when the prompts run again (dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    ps = prompts(seqs)[1:4]  # 4, 4 and 1 prompt tokens (an extend of one row: a size of its own)
+    for shape in (CHAIN, TREE):
+        before = counters["stats"]["unique_graphs"]
+        dec = decode.SpecDecoder(llama, *drafts["trained"], compile=True, **shape)
+        assert dec.verifier.static and dec.drafter.static
+        for p in ps:
+            ref = reference_greedy(llama.model, p, 20)
+            assert dec.generate(p, 20).tokens == ref, (shape, p)
+            if shape is CHAIN:
+                assert dec.generate_plain(p, 20).tokens == ref
+        compiled = counters["stats"]["unique_graphs"] - before
+        assert compiled == sum(len(r._static) for r in (dec.verifier, dec.drafter, dec.plain)), shape
+        for p in ps:
+            dec.generate(p, 20)
+        assert counters["stats"]["unique_graphs"] - before == compiled, shape  # no recompilation
+    torch._dynamo.reset()
+
+
+def test_compile_failure_is_one_clear_error(llama, drafts, monkeypatch):
+    dec = decode.SpecDecoder(llama, *drafts["trained"], compile=True, **CHAIN)
+
+    def broken(*args):
+        raise torch._dynamo.exc.TorchDynamoException("backend exploded\nlong traceback")
+
+    monkeypatch.setattr(dec.verifier, "_compiled", broken)
+    with pytest.raises(CompileError, match=r"TargetRunner forward failed \(backend exploded\); run with --no-compile"):
+        dec.generate([1, 2, 3], 8)
 
 
 # --- stopping, streaming, accounting --------------------------------------------------------------

@@ -108,13 +108,15 @@ class SpecDecoder:
     res = dec.generate(input_ids, 256, SamplingParams(temperature=0), eos_ids=[2], stream=print)
 
     static_shapes pads every step to fixed sizes over the whole cache, as CUDA graphs need (on by
-    itself with cuda_graphs; on a CPU it checks that logic). device/dtype move the target (and the
-    draft follows the target).
+    itself with cuda_graphs or compile; on a CPU it checks that logic). compile runs both models'
+    static forwards through torch.compile (inductor fuses the many small kernels of a decoder layer;
+    with cuda_graphs the compiled forward is what the graph captures). device/dtype move the target
+    (and the draft follows the target).
     """
 
     def __init__(self, target, draft=None, meta=None, *, mode: str = "chain", K: int = 7, depth: int = 6,
                  topk: int = 8, budget: int = 63, device=None, dtype=None, cuda_graphs: bool = False,
-                 static_shapes: bool = False, strict: bool = False):
+                 static_shapes: bool = False, compile: bool = False, strict: bool = False):
         self.spec = SpecConfig(mode=mode, K=K, depth=depth, topk=topk, budget=budget)
         self.target, self.draft = target, draft
         if device is not None or dtype is not None:
@@ -124,7 +126,7 @@ class SpecDecoder:
         if cuda_graphs and p.device.type != "cuda":
             raise UsageError(f"CUDA graphs need the target on a CUDA device, it is on {p.device}")
         self.context = getattr(target.config, "max_position_embeddings", None)
-        graphs = dict(static=static_shapes, cuda_graphs=cuda_graphs)
+        graphs = dict(static=static_shapes, cuda_graphs=cuda_graphs, compile=compile)
         self.plain = TargetRunner(target.model, None, sizes=(1,), **graphs)
         self.warnings: list[str] = []
         if draft is None:
@@ -158,11 +160,12 @@ class SpecDecoder:
         for run in (self.verifier, self.drafter):
             run.reset(len(ids) + max_new_tokens)
         logits, taps = self.verifier.prefill(ids)
-        out.add([self._choose(logits, sampling, gen)])
-        feed = (taps, torch.cat([ids[1:], out.last_tensor(self.device)]))  # taps[t] goes with token t+1
+        tok = self._choose(logits, sampling, gen)
+        out.add([int(tok)])
+        feed = (taps, torch.cat([ids[1:], tok.view(1)]))  # taps[t] goes with token t+1
         accepted = []
         while not out.done:
-            path, tokens, feed = self._step(out.tokens[-1], feed, sampling, gen)
+            path, tokens, feed = self._step(feed, sampling, gen)
             accepted.append(len(path))
             out.add(tokens)
         return out.result(accepted, self.spec.levels)
@@ -175,23 +178,24 @@ class SpecDecoder:
         run = self.plain
         run.reset(len(ids) + max_new_tokens)
         logits, = run.prefill(ids)
-        out.add([self._choose(logits, sampling, gen)])
-        one = torch.ones(1, 1, dtype=torch.bool)
-        while not out.done:
-            logits, = run.forward({"ids": out.last_tensor(self.device)}, torch.tensor([run.length]), one)
+        tok = self._choose(logits, sampling, gen)
+        out.add([int(tok)])
+        while not out.done:  # int(tok): the one sync per token; the token itself stays on the device
+            logits, = run.forward({"ids": tok.view(1)}, self._positions(run.length, 1))
             run.commit(1)
-            out.add([self._choose(logits[0], sampling, gen)])
+            tok = self._choose(logits[0], sampling, gen)
+            out.add([int(tok)])
         return out.result(None, 0)
 
     # -- one round ---------------------------------------------------------------------------------
-    def _step(self, root: int, feed, sampling: SamplingParams, gen):
+    def _step(self, feed, sampling: SamplingParams, gen):
         """Extend the draft, draft, verify in one target forward, commit. Returns (accepted node
-        indices, committed tokens (accepted + 1 more), (taps, next tokens) for the next extend)."""
+        indices, committed tokens (accepted + 1 more), (taps, next tokens) for the next extend).
+        The root, the last committed token, is the last of the next tokens."""
         taps, next_ids = feed
         n = len(next_ids)
         d = self.drafter
-        logits, hidden = d.forward({"ids": next_ids, "taps": taps}, d.length + torch.arange(n),
-                                   torch.ones(n, n, dtype=torch.bool).tril())
+        logits, hidden = d.forward({"ids": next_ids, "taps": taps}, self._positions(d.length, n))
         d.commit(n)
         draft = self._draft_chain if self.spec.mode == "chain" else self._draft_tree
         tree, q = draft(logits[-1], hidden[-1], d.length - 1, sampling, gen)
@@ -199,8 +203,7 @@ class SpecDecoder:
 
         v = self.verifier
         block, rel = tree_attention(tree, 0)  # (1, 1, n+1, n+1) over [root] + nodes, depth offsets
-        logits, taps = v.forward({"ids": torch.cat([tree.tokens.new_tensor([root]), tree.tokens])},
-                                 v.length + rel, block[0, 0])
+        logits, taps = v.forward({"ids": torch.cat([next_ids[-1:], tree.tokens])}, v.length + rel, block[0, 0])
         path, nxt = self._accept(tree, q, logits, sampling, gen)
         rows = [0] + [1 + i for i in path]
         v.commit(rows)
@@ -225,12 +228,12 @@ class SpecDecoder:
     def _draft_chain(self, logits, hidden, root_pos: int, sampling, gen):
         """K tokens, each fed back with the draft's own hidden state. Returns (chain, q (K, V) or None):
         greedy takes the draft's argmax; sampling draws from the draft's distribution (its q goes to
-        the verifier)."""
+        the verifier). Tokens stay on the device: no host sync between draft steps."""
         tokens, qs = [], []
         for i in range(self.spec.K):
-            if i:  # token i-1 at position root_pos + i, seeing the round's earlier draft rows
+            if i:  # token i-1 at position root_pos + i, seeing the round's earlier draft rows (causal)
                 logits, hidden = self.drafter.forward({"ids": tokens[-1], "hidden": hidden[None]},
-                                                      torch.tensor([root_pos + i]), torch.ones(1, i, dtype=torch.bool))
+                                                      self._positions(root_pos + i, 1))
                 logits, hidden = logits[0], hidden[0]
             if sampling.greedy:
                 tokens.append(self.draft_ids[logits.argmax()].view(1))
@@ -285,12 +288,16 @@ class SpecDecoder:
             gen = torch.Generator(self.device).manual_seed(seed)
         return ids, gen, _Output(max_new_tokens, set(eos_ids or ()), stream)
 
+    def _positions(self, first: int, n: int) -> torch.Tensor:
+        """first, first+1, ... made on the device (a host tensor would cost a copy and a sync)."""
+        return torch.arange(first, first + n, device=self.device)
+
     @staticmethod
-    def _choose(logits, sampling: SamplingParams, gen) -> int:
-        """The target's own next token from (V,) logits."""
+    def _choose(logits, sampling: SamplingParams, gen) -> torch.Tensor:
+        """The target's own next token (a 0-d tensor on the logits' device) from (V,) logits."""
         if sampling.greedy:
-            return int(logits.argmax())
-        return int(torch.multinomial(logits_to_probs(logits, sampling), 1, generator=gen))
+            return logits.argmax()
+        return torch.multinomial(logits_to_probs(logits, sampling), 1, generator=gen)[0]
 
 
 class _Output:
@@ -306,9 +313,6 @@ class _Output:
     @property
     def done(self) -> bool:
         return self.stop is not None
-
-    def last_tensor(self, device) -> torch.Tensor:
-        return torch.tensor(self.tokens[-1:], device=device)
 
     def add(self, new: list[int]) -> None:
         keep = []

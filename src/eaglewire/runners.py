@@ -7,9 +7,13 @@ the same round) and attends through an explicit mask over the buffer, so
 - a rejected token needs no rollback: `commit` just does not count its slot, the next forward
   overwrites it;
 - an accepted tree branch is kept by copying its slots down (`commit(rows)`);
-- with static shapes (`static=True`, implied by `cuda_graphs=True`) a block is padded to a fixed
-  size and attends over the whole buffer, so ONE captured CUDA graph per size replays every step.
-  Padding rows attend to themselves only; their outputs are dropped.
+- with static shapes (`static=True`, implied by `cuda_graphs=True` and `compile=True`) a block is
+  padded to a fixed size and attends over the whole buffer, so ONE compiled function and ONE captured
+  CUDA graph per size serve every step. Padding rows attend to themselves only; their outputs are
+  dropped. The write slots and the mask are computed on the device from a few small inputs (the
+  padded block, positions, the committed length), inside the compiled function and the graph.
+- `compile=True` runs that forward through `torch.compile` (dynamic=False; the CUDA graph is our own,
+  so inductor's fused kernels are what the graph replays).
 
 `TargetRunner` drives an unmodified HF model: its cache is a `transformers.Cache` of `SlotLayer`s
 and the 4D float mask is passed through as-is by HF's mask code (transformers 5.17 and 5.24, eager
@@ -26,6 +30,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .capture import TapHooks, locate
+from .errors import EaglewireError
 from .taps import TapContract
 from .targets import cache_kwarg, text_config
 
@@ -109,41 +114,58 @@ class _DraftCache:
         return self.layers[layer].write(k, v)
 
 
+class CompileError(EaglewireError):
+    """torch.compile could not compile a runner's forward (never silently run eagerly instead)."""
+
+
 @dataclass
-class _Graph:
-    replay: object  # torch.cuda.CUDAGraph.replay
-    inputs: dict[str, torch.Tensor]  # static buffers (1, Ts, ...), plus pos, mask, slots
-    outputs: tuple[torch.Tensor, ...]  # static outputs (1, Ts, ...)
+class _Static:
+    """One padded size's input buffers and how to run over them: a CUDA graph's replay, or a call."""
+
+    inputs: dict[str, torch.Tensor]  # (1, Ts, ...) per model input, pos (1, Ts), block (Ts, W), at (2,)
+    run: object = None  # () -> outputs (1, Ts, ...); a graph replays into the same output tensors
+    outputs: tuple[torch.Tensor, ...] | None = None  # a CUDA graph's static outputs
 
 
 class SlotRunner:
-    """Slot bookkeeping, masks, static-shape padding and CUDA graphs, shared by both sides.
+    """Slot bookkeeping, masks, static-shape padding, torch.compile and CUDA graphs, shared by both sides.
 
     runner.reset(capacity)
     out = runner.forward(inputs, positions, block)  # writes T pending rows; length unchanged
     runner.commit(keep)                            # keep pending rows, length += len(keep)
+
+    A static forward copies its inputs into the buffers of its padded size Ts: the model inputs,
+    positions, `block` padded to (Ts, max_pending + Ts) and `at` = [committed length, first slot
+    written]. Everything else (write slots, the (1, 1, Ts, max_len) mask) is computed from those by
+    `_masked_forward`, so it lives inside the compiled function and the captured graph, and a step
+    costs a few copies, one replay and the output copies.
     """
 
     mask_dtype: torch.dtype = torch.bool  # the TargetRunner turns it into an additive float mask
 
     def __init__(self, device: torch.device, *, static: bool, cuda_graphs: bool, sizes: tuple[int, ...],
-                 max_pending: int = 0, max_position: int | None = None):
+                 max_pending: int = 0, max_position: int | None = None, compile: bool = False):
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {device}")
-        self.device, self.cuda_graphs, self.static = device, cuda_graphs, static or cuda_graphs
+        # compile needs fixed shapes too: one compiled graph per padded size
+        self.device, self.cuda_graphs, self.static = device, cuda_graphs, static or cuda_graphs or compile
         self.sizes = tuple(sorted(set(sizes)))  # padded block sizes of static forwards
+        self.max_pending = max_pending
         self.headroom = max_pending + max(self.sizes, default=0) + 1
         self.max_position = max_position
         self.book = _Book()
         self.length = 0  # committed tokens: slots 0..length-1
         self.pending = 0  # rows written this round, not committed: slots length..length+pending-1
-        self._graphs: dict[tuple, _Graph] = {}
+        self._static: dict[tuple, _Static] = {}
+        self._causal: dict[tuple, torch.Tensor] = {}
         self._pool = None
+        # dynamic=False: one graph per padded size; shapes never vary within one
+        self._compiled = torch.compile(self._masked_forward, dynamic=False) if compile else None
 
     def _new_cache(self) -> None:
         raise NotImplementedError
 
-    def _run(self, inputs: dict[str, torch.Tensor], pos, mask, view_len: int) -> tuple[torch.Tensor, ...]:
+    def _run(self, inputs: dict[str, torch.Tensor], pos, mask) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def _layers(self) -> list[_Slots]:
@@ -155,7 +177,7 @@ class SlotRunner:
         if self.book.max_len < need:
             self.book.max_len = -(-need // 256) * 256  # rounded: nearby lengths keep buffers and graphs
             self._new_cache()
-            self._graphs.clear()
+            self._static.clear()
         self.length = self.pending = 0
 
     def commit(self, keep: torch.Tensor | list[int] | int) -> None:
@@ -175,64 +197,114 @@ class SlotRunner:
         self.pending = 0
 
     @torch.no_grad()
-    def forward(self, inputs: dict[str, torch.Tensor], positions: torch.Tensor, block: torch.Tensor,
+    def forward(self, inputs: dict[str, torch.Tensor], positions: torch.Tensor, block: torch.Tensor | None = None,
                 exact: bool = False) -> tuple[torch.Tensor, ...]:
         """T new rows: inputs name -> (T, ...), positions (T,), block (T, pending+T) bool = which of this
-        round's rows (earlier pending ones, then the new ones) each new row sees; the committed prefix is
-        always seen. Returns the outputs, each (T, ...). exact: no padding and no graph (prefills)."""
-        t = positions.shape[0]
-        assert block.shape == (t, self.pending + t), (tuple(block.shape), t, self.pending)
-        if self.max_position is not None:  # learned position tables end there; such rows are never used
-            positions = positions.clamp(max=self.max_position - 1)
-        start = self.length + self.pending
+        round's rows (earlier pending ones, then the new ones) each new row sees, or None: all earlier
+        pending rows and the new rows up to itself (causal). The committed prefix is always seen.
+        Returns the outputs, each (T, ...). exact: no padding, no graph, not compiled (prefills).
+        Inputs already on the device avoid a host-to-device copy (a stream sync on CUDA)."""
+        t, start = positions.shape[0], self.length + self.pending
         size = next((s for s in self.sizes if s >= t), None) if self.static and not exact else None
-        ts, view = (size, self.book.max_len) if size else (t, start + t)  # static: padded, whole buffer
+        ts = size or t
         assert start + ts <= self.book.max_len, "reset() with a larger capacity"
-        idx = torch.arange(ts, device=self.device).clamp(max=t - 1)  # padding repeats the last row
-        feed = {k: v.to(self.device)[idx][None] for k, v in inputs.items()}
-        feed["pos"] = positions.to(self.device)[idx][None]
-        feed["mask"] = self._mask(block, ts, view)
-        feed["slots"] = torch.arange(start, start + ts, device=self.device)
-        if self.cuda_graphs and size:
-            g = self._graph(ts, feed)
-            for k, v in feed.items():
-                g.inputs[k].copy_(v)
-            g.replay()
-            out = g.outputs
+        if block is not None:
+            assert block.shape == (t, self.pending + t), (tuple(block.shape), t, self.pending)
+        if size is None:  # exact: this call's shapes, over slots 0..start+t-1
+            feed = {k: v.to(self.device)[None] for k, v in inputs.items()}
+            feed.update(pos=positions.to(self.device)[None], block=self._block(block, t, t, self.pending),
+                        at=torch.tensor([self.length, start], device=self.device))
+            out = self._call(feed, start + t, compiled=False)
         else:
-            out = self._call(feed, view)
+            st = self._static_size(ts, inputs)
+            for k, v in inputs.items():  # padding rows keep stale (valid) values: they see only themselves
+                st.inputs[k][0, :t].copy_(v)
+            st.inputs["pos"][0, :t].copy_(positions)
+            st.inputs["block"].copy_(self._block(block, t, ts, self.max_pending))
+            st.inputs["at"][0].fill_(self.length)  # fill_: no host-to-device copy, no sync
+            st.inputs["at"][1].fill_(start)
+            out = st.run()
         self.pending += t
         # Copies: a graph's outputs are overwritten by its next replay.
         return tuple(o[0, :t].clone() for o in out)
 
-    def _call(self, feed: dict[str, torch.Tensor], view_len: int) -> tuple[torch.Tensor, ...]:
-        self.book.slots, self.book.view_len = feed["slots"], view_len
-        inputs = {k: v for k, v in feed.items() if k not in ("pos", "mask", "slots")}
-        return self._run(inputs, feed["pos"], feed["mask"], view_len)
+    def _block(self, block: torch.Tensor | None, t: int, ts: int, width: int) -> torch.Tensor:
+        """(Ts, width + Ts) bool over the slots from `length` on: block in the top left, padding rows see
+        only their own slot. A causal block (None) of a static size is made once on the device."""
+        p = self.pending
+        key = (t, ts, width, p)
+        if block is None and key in self._causal:
+            return self._causal[key]
+        full = torch.zeros(ts, width + ts, dtype=torch.bool, device=self.device)
+        if block is None:
+            full[:t, :p] = True
+            full[:t, p:p + t] = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        else:
+            full[:t, :p + t] = block.to(self.device)
+        if ts > t:
+            pad = torch.arange(t, ts, device=self.device)
+            full[pad, p + pad] = True
+        if block is None and ts in self.sizes:
+            self._causal[key] = full
+        return full
 
-    def _mask(self, block: torch.Tensor, ts: int, view_len: int) -> torch.Tensor:
-        """(1, 1, Ts, view_len): the committed prefix, then `block` over this round's rows."""
-        t, start = block.shape[0], self.length + self.pending
-        allowed = torch.zeros(ts, view_len, dtype=torch.bool, device=self.device)
-        allowed[:, :self.length] = True
-        allowed[:t, self.length:start + t] = block.to(self.device)
-        pad = torch.arange(t, ts, device=self.device)
-        allowed[pad, start + pad] = True  # padding rows see only themselves
+    def _masked_forward(self, feed: dict[str, torch.Tensor], view_len: int) -> tuple[torch.Tensor, ...]:
+        """The forward over slots 0..view_len-1, its write slots and mask made from feed["at"] and
+        feed["block"] (the function compiled and captured: no host values but view_len and shapes)."""
+        ts = feed["pos"].shape[1]
+        length, start = feed["at"][0], feed["at"][1]
+        self.book.slots = start + torch.arange(ts, device=self.device)
+        self.book.view_len = view_len
+        pos = feed["pos"]
+        if self.max_position is not None:  # learned position tables end there; such rows are never used
+            pos = pos.clamp(max=self.max_position - 1)
+        inputs = {k: v for k, v in feed.items() if k not in ("pos", "block", "at")}
+        return self._run(inputs, pos, self._mask(feed["block"], length, view_len))
+
+    def _mask(self, block: torch.Tensor, length: torch.Tensor, view_len: int) -> torch.Tensor:
+        """(1, 1, Ts, view_len): slots < length (committed), then `block` over the next block.shape[1] slots."""
+        cols = torch.arange(view_len, device=self.device)
+        rel = cols - length
+        w = block.shape[1]
+        allowed = (cols < length) | (block[:, rel.clamp(0, w - 1)] & (rel >= 0) & (rel < w))
         if self.mask_dtype == torch.bool:
             return allowed[None, None]
         zero = torch.zeros((), dtype=self.mask_dtype, device=self.device)
         return torch.where(allowed, zero, torch.finfo(self.mask_dtype).min)[None, None]
 
-    def _graph(self, ts: int, example: dict[str, torch.Tensor]) -> _Graph:
-        """Capture (once per size and input kind) the forward of Ts rows over the whole buffer."""
+    def _call(self, feed: dict[str, torch.Tensor], view_len: int, compiled: bool = True) -> tuple[torch.Tensor, ...]:
+        """_masked_forward, compiled if the runner compiles. The first call after a new cache runs
+        eagerly: it allocates the K/V buffers, which the compiled function must find in place (else
+        its guard `keys is None` recompiles)."""
+        if not compiled or self._compiled is None or any(layer.keys is None for layer in self._layers()):
+            return self._masked_forward(feed, view_len)
+        try:
+            # fail, never fall back to eager: a silent fallback would only show as a slow benchmark
+            with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+                return self._compiled(feed, view_len)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CompileError(f"torch.compile of the {type(self).__name__} forward failed ({what[:300]}); "
+                               "run with --no-compile (compile=False)") from e
+
+    def _static_size(self, ts: int, example: dict[str, torch.Tensor]) -> _Static:
+        """The buffers of size Ts for these input kinds; on CUDA with graphs, its graph (captured once)."""
         key = (ts, tuple(sorted(example)))
-        if key not in self._graphs:
-            s = self.book.max_len
-            static = {k: v.clone() for k, v in example.items()}
-            static["slots"].copy_(torch.arange(s - ts, s))  # warm-up writes land in scratch slots
-            replay, out = self._capture(lambda: self._call(static, s))
-            self._graphs[key] = _Graph(replay, static, out)
-        return self._graphs[key]
+        if key in self._static:
+            return self._static[key]
+        s, dev = self.book.max_len, self.device
+        inputs = {k: torch.zeros(1, ts, *v.shape[1:], dtype=v.dtype, device=dev) for k, v in example.items()}
+        inputs.update(pos=torch.zeros(1, ts, dtype=torch.long, device=dev),
+                      block=torch.eye(ts, self.max_pending + ts, dtype=torch.bool, device=dev),
+                      at=torch.tensor([0, s - ts], device=dev))  # capture writes land in scratch slots
+        st = _Static(inputs)
+        if self.cuda_graphs:
+            replay, st.outputs = self._capture(lambda: self._call(inputs, s))
+            st.run = lambda: (replay(), st.outputs)[1]
+        else:
+            st.run = lambda: self._call(inputs, s)
+        self._static[key] = st
+        return st
 
     def _capture(self, fn) -> tuple[object, tuple[torch.Tensor, ...]]:
         """Warm fn up on a side stream, capture it in a CUDA graph: (replay, its static outputs)."""
@@ -270,14 +342,19 @@ class TargetRunner(SlotRunner):
     def _layers(self) -> list[_Slots]:
         return [layer.slots for layer in self.cache.layers]
 
-    def _run(self, inputs, pos, mask, view_len):
+    def _run(self, inputs, pos, mask):
         kw = {"input_ids": inputs["ids"], "attention_mask": mask, "position_ids": pos, "use_cache": True,
               self.cache_kw: self.cache, **({"logits_to_keep": self.keep_last} if self._can_keep else {})}
+        return (self.model(**kw).logits.float(),)
+
+    def _call(self, feed, view_len, compiled=True):
         if self.contract is None:
-            return (self.model(**kw).logits.float(),)
+            return super()._call(feed, view_len, compiled)
+        # The hooks go on outside the compiled function: dynamo traces hooks it finds on the modules
+        # (registering them inside would break the graph), and their captures become its outputs.
         with TapHooks(self.stack, self.contract) as hooks:
-            out = self.model(**kw)
-        return out.logits.float(), hooks.taps
+            logits, = super()._call(feed, view_len, compiled)
+        return logits, hooks.taps
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The prompt (P,) into the empty cache: last-position logits (V,) and taps (P, n*H) if any."""
@@ -285,7 +362,7 @@ class TargetRunner(SlotRunner):
         p = ids.shape[0]
         self.keep_last = 1  # the prompt's other logits are never used: skip their lm_head
         try:
-            out = self.forward({"ids": ids}, torch.arange(p), torch.ones(p, p, dtype=torch.bool).tril(), exact=True)
+            out = self.forward({"ids": ids}, torch.arange(p, device=self.device), exact=True)
         finally:
             self.keep_last = 0
         self.commit(p)
@@ -307,6 +384,6 @@ class DraftRunner(SlotRunner):
     def _layers(self) -> list[_Slots]:
         return self.kv.layers
 
-    def _run(self, inputs, pos, mask, view_len):
+    def _run(self, inputs, pos, mask):
         hidden = self.draft.fuse(inputs["taps"]) if "taps" in inputs else inputs["hidden"]
         return self.draft(inputs["ids"], hidden, pos, cache=self.kv, attn_mask=mask)
