@@ -15,11 +15,12 @@ import json
 import pytest
 import torch
 
-from eaglewire import targets
-from eaglewire.bench import acceptance, first_divergence, greedy_check, Generation, run_bench
+from eaglewire import bench, targets
+from eaglewire.bench import BenchConfig, acceptance, first_divergence, greedy_check, Generation, run_bench
 from eaglewire.checkpoint import save_draft
 from eaglewire.cli import main
 from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.errors import UsageError
 from eaglewire.taps import TapContract
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
@@ -142,6 +143,23 @@ def test_bench_chain_json_table_plot(shift, prompt_file, tmp_path, capsys):
     assert sum(acc["accepted_histogram"]) == acc["verification_steps"]
     g = r["greedy_check"]
     assert g["ok"] is True and g["mismatches"] == [] and g["compared"] == ["base", "spec"]
+    assert r["settings"]["compile"] is False and r["runs"]["base"]["name"] == "eaglewire-base"  # auto: off on cpu
+    assert r["runs"]["spec"]["graphs_compiled_while_timed"] == 0
+
+
+def test_compile_setting(monkeypatch):
+    cfg = BenchConfig(suite="s")
+    assert cfg.compile == "auto" and cfg.compiles(torch.device("cuda")) and not cfg.compiles(torch.device("cpu"))
+    assert BenchConfig(suite="s", compile=True).compiles(torch.device("cpu"))
+    assert not BenchConfig(suite="s", compile=False).compiles(torch.device("cuda"))
+    with pytest.raises(UsageError, match="--compile must be auto, True or False"):
+        BenchConfig(suite="s", compile="yes")
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["compile"]) or (_ for _ in ()).throw(
+        UsageError("stop")))
+    for flags, want in (([], "auto"), (["--compile"], True), (["--no-compile"], False)):
+        assert main(["bench", "--target", "t", "--draft", "d", *flags]) == 2
+        assert seen[-1] == want, flags
 
 
 def test_bench_tree_on_random_pair_is_lossless(random_pair, prompt_file):

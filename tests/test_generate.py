@@ -102,6 +102,14 @@ def test_generate_streams_the_targets_greedy_text(env, capsys):
         assert ("no speculation" in err) if extra == ["--no-spec"] else ("acceptance length" in err), err
 
 
+def test_compile_flag(env, capsys):
+    """--compile (static shapes and torch.compile on a CPU): the same greedy text."""
+    want = reference_text(env["target"], encode(char_tokenizer(), prompt="hi"), 12)
+    rc, out, err = run(capsys, "--target", env["target"], "--draft", env["draft"], "--prompt", "hi",
+                       "--max-new-tokens", 12, "--chain", 2, "--compile")
+    assert rc == 0 and out == want + "\n", err
+
+
 def test_messages_file_and_raw_prompt(env, capsys, tmp_path):
     msgs = tmp_path / "conv.json"
     msgs.write_text(json.dumps([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))

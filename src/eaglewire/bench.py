@@ -5,6 +5,8 @@ Runs, each over every prompt in turn after a warm-up (`run_prompts`):
       compiles by itself; `hf_cache` picks), batch 1;
   (b) `base`: our decoder, no speculation (one target step per token, same engine as (c));
   (c) `spec`: our decoder with the draft (chain of K or EAGLE-2 tree).
+(b) and (c) run torch.compile'd forwards by default on CUDA (`compile`, recorded in the settings);
+the warm-up compiles them, and a size first met while timed is counted in `graphs_compiled_while_timed`.
 
 Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
 `completion_tokens / spec_verify_ct`, vLLM `1 + accepted / drafts`). Acceptance rate at draft
@@ -60,6 +62,7 @@ class BenchConfig:
     hf: bool = True
     hf_cache: str = "auto"  # auto: static on cuda, dynamic on cpu
     cuda_graphs: bool = True  # ignored on cpu
+    compile: bool | str = "auto"  # torch.compile our decoder's forwards; auto: on cuda, not on cpu
     warmup: bool = True
     seed: int = 0
     bandwidth: float | None = None  # bytes/s; None: BANDWIDTH by device name
@@ -79,6 +82,8 @@ class BenchConfig:
                 bad(f, "must be >= 1")
         if self.dtype is not None and self.dtype not in DTYPES:
             bad("dtype", f"must be one of {list(DTYPES)}")
+        if self.compile not in ("auto", True, False):
+            bad("compile", "must be auto, True or False")
         if self.hf_cache not in ("auto", "dynamic", "static"):
             bad("hf_cache", "must be auto, dynamic or static")
         if self.bandwidth is not None and not self.bandwidth > 0:
@@ -88,6 +93,10 @@ class BenchConfig:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+    def compiles(self, device: torch.device) -> bool:
+        """Whether our decoder runs compiled forwards on this device."""
+        return device.type == "cuda" if self.compile == "auto" else self.compile
 
     def draft_shape(self) -> dict:
         if self.mode == "chain":
@@ -151,25 +160,31 @@ def hf_runner(target, cfg: BenchConfig, device: torch.device, eos: list[int]):
 
 def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, eos: list[int], speculate: bool):
     """(name, run, decoder) for our decoder, with the draft or without speculation (same engine)."""
+    from torch._dynamo.utils import counters
+
     from .decode import SpecDecoder
 
     shape = {"K": cfg.chain} if cfg.mode == "chain" else {k: getattr(cfg, k) for k in ("depth", "topk", "budget")}
     graphs = cfg.cuda_graphs and device.type == "cuda"
     # The pair check (taps, hidden size, vocab, fingerprint) runs here, before anything is timed.
     dec = SpecDecoder(target, draft if speculate else None, meta if speculate else None, mode=cfg.mode,
-                      cuda_graphs=graphs, **shape)
+                      cuda_graphs=graphs, compile=cfg.compiles(device), **shape)
     greedy = cfg.sampling.greedy
 
     def run(ids: torch.Tensor, max_new: int, seed: int = 0) -> Generation:
+        graphs = counters["stats"]["unique_graphs"]
         res, wall = timed(lambda: dec.generate(ids, max_new, cfg.sampling, eos, seed=None if greedy else seed),
                           device)
+        # a size first met in a timed run compiles there (seconds): counted, so the report can say so
+        compiled = counters["stats"]["unique_graphs"] - graphs
         return Generation(tokens=list(res.tokens), wall_s=wall, steps=int(res.num_steps),
-                          accepted=list(res.accepted_per_step) if speculate else None, timings=dict(res.timings))
+                          accepted=list(res.accepted_per_step) if speculate else None,
+                          timings={**res.timings, "graphs_compiled": compiled})
 
     name = "eaglewire-" + ("base" if not speculate else
                            f"chain-K{cfg.chain}" if cfg.mode == "chain"
                            else f"tree-d{cfg.depth}-k{cfg.topk}-b{cfg.budget}")
-    return name, run, dec
+    return name + ("+compile" if cfg.compiles(device) else ""), run, dec
 
 
 def run_prompts(label: str, run, prompts: list[torch.Tensor], cfg: BenchConfig, device: torch.device,
@@ -206,7 +221,8 @@ def summarize(gens: list[Generation], floor_ms: float | None) -> dict:
     if all(g.timings for g in gens):  # our decoder splits prefill from the decode loop
         prefill, decode = sum(g.timings["prefill_s"] for g in gens), sum(g.timings["decode_s"] for g in gens)
         out.update(prefill_s=prefill, decode_s=decode,
-                   decode_ms_per_step=1e3 * decode / out["steps"] if out["steps"] else None)
+                   decode_ms_per_step=1e3 * decode / out["steps"] if out["steps"] else None,
+                   graphs_compiled_while_timed=sum(g.timings.get("graphs_compiled", 0) for g in gens))
     return out
 
 
@@ -340,6 +356,9 @@ def format_table(r: dict) -> str:
             lines.append(f"{label:<10}{run['name']:<28}{run['tokens']:>8}{run['wall_s']:>9.2f}"
                          f"{_f(run['tokens_per_s'], '.1f'):>9}{run['ms_per_step']:>9.2f}"
                          f"{_f(run['steps_over_floor'], '.0f'):>9}")
+    late = {k: v["graphs_compiled_while_timed"] for k, v in r["runs"].items() if v.get("graphs_compiled_while_timed")}
+    if late:
+        lines.append(f"note: graphs compiled inside timed runs (their compile time is in the timings): {late}")
     fl = r["floor"]
     mb = f"{fl['weight_bytes'] / 1e6:.1f} MB of weights"
     lines.append(f"target step floor: {fl['ms']:.3f} ms ({mb} at {fl['bandwidth'] / 1e12:.1f} TB/s)" if fl["ms"] else
@@ -445,7 +464,7 @@ def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict
         "suite": sp.summary(),
         "settings": {**{k: v for k, v in asdict(cfg).items() if k != "suite"}, "device": str(device),
                      "dtype": next(k for k, v in DTYPES.items() if v == dtype), "draft": cfg.draft_shape(),
-                     "cuda_graphs": cfg.cuda_graphs and device.type == "cuda"},
+                     "cuda_graphs": cfg.cuda_graphs and device.type == "cuda", "compile": cfg.compiles(device)},
         "floor": {"weight_bytes": weight_bytes, "bandwidth": bw, "ms": fms},
         "runs": runs,
         "speedups": {"base/hf": ratio("base", "hf"), "spec/base": ratio("spec", "base"),
@@ -467,6 +486,7 @@ def cmd_bench(args) -> int:
                     top_p=args.top_p, top_k=args.top_k, mode="tree" if args.tree else "chain",
                     chain=args.chain or 7, depth=args.depth, topk=args.topk, budget=args.budget, device=args.device,
                     dtype=args.dtype, hf=not args.no_hf, hf_cache=args.hf_cache, cuda_graphs=not args.no_cuda_graphs,
+                    compile="auto" if args.compile is None else args.compile,
                     warmup=not args.no_warmup, seed=args.seed,
                     bandwidth=args.bandwidth * 1e12 if args.bandwidth else None)
     if args.tree and args.chain:
@@ -512,6 +532,10 @@ def register(sub) -> None:
     p.add_argument("--hf-cache", choices=["auto", "dynamic", "static"], default="auto",
                    help="HF generate's cache (auto: static on cuda, dynamic on cpu)")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    comp = p.add_mutually_exclusive_group()
+    comp.add_argument("--compile", dest="compile", action="store_const", const=True, default=None,
+                      help="torch.compile our decoder's forwards (default: on cuda only; the first steps compile)")
+    comp.add_argument("--no-compile", dest="compile", action="store_const", const=False)
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
