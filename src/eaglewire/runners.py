@@ -216,6 +216,7 @@ class SlotRunner:
                         at=torch.tensor([self.length, start], device=self.device))
             out = self._call(feed, start + t, compiled=False)
         else:
+            assert self.pending <= self.max_pending, ("more pending rows than max_pending", self.pending)
             st = self._static_size(ts, inputs)
             for k, v in inputs.items():  # padding rows keep stale (valid) values: they see only themselves
                 st.inputs[k][0, :t].copy_(v)
