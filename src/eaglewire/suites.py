@@ -209,7 +209,12 @@ def _load_file(path: Path, limit: int | None) -> SuitePrompts:
 
 
 def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
-    """A suite by name (`mt-bench`, `humaneval`, `gsm8k`) or a prompt FILE; the first `limit` prompts if given."""
+    """A suite by name (`mt-bench`, `humaneval`, `gsm8k`) or a prompt FILE, cut to `limit` prompts.
+
+    A named suite is cut to prompts evenly spaced over the file: MT-bench lists its questions by
+    category (writing first), so its first 12 would be 10 writing and 2 roleplay questions, far
+    less predictable than the suite as a whole. A FILE is cut to its first `limit` prompts.
+    """
     if limit is not None and limit < 1:
         raise UsageError(f"--max-prompts {limit}: give at least 1")
     if spec not in SUITES:
@@ -220,9 +225,13 @@ def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
     s = SUITES[spec]
     path = suite_file(spec)
     records = _read_jsonl(path, spec)
-    convs = [s.to_messages(r) for r in records[:limit]]
+    notes = [s.note]
+    if limit is not None and limit < len(records):
+        records = [records[(2 * i + 1) * len(records) // (2 * limit)] for i in range(limit)]  # interval midpoints
+        notes.append(f"{limit} of the suite's prompts, evenly spaced over the file")
+    convs = [s.to_messages(r) for r in records]
     return SuitePrompts(name=spec, source=s.package, path=path, sha256=file_digest(path), conversations=convs,
-                        notes=[s.note])
+                        notes=notes)
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> torch.Tensor:
