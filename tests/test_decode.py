@@ -209,6 +209,19 @@ def test_greedy_equals_target_greedy(llama, seqs, drafts, shape, static):
     assert 1.3 < (sum(accepted) + len(accepted)) / len(accepted) < levels + 1
 
 
+def test_one_replay_greedy_chain_drafts_what_step_by_step_drafting_does(llama, seqs, drafts):
+    """Static runners draft a greedy chain as one function (DraftRunner.greedy_chain); the exact path
+    drafts step by step. Greedy output equality cannot see a wrong draft token (the verifier only
+    rejects it), the acceptance of every round can."""
+    for name in ("trained", "perturbed"):
+        exact = decode.SpecDecoder(llama, *drafts[name], static_shapes=False, **CHAIN)
+        one = decode.SpecDecoder(llama, *drafts[name], static_shapes=True, **CHAIN)
+        for p in prompts(seqs):
+            a, b = exact.generate(p, 32), one.generate(p, 32)
+            assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, (name, p)
+        assert any(key[0] == "greedy_chain" for key in one.drafter._static)
+
+
 @pytest.mark.parametrize("shape", [dict(mode="chain", K=1), dict(mode="chain", K=9),
                                    dict(mode="tree", depth=1, topk=4, budget=4),
                                    dict(mode="tree", depth=5, topk=2, budget=3),

@@ -117,6 +117,10 @@ def test_tree_attention_matches_naive_ancestor_loop():
             want[1 + i, p + 1 + a] = True
     assert torch.equal(mask[0, 0], want)
     assert pos.tolist() == [4, 5, 5, 6, 6, 6, 7]
+    # a depth bound given by the caller (no device sync) changes nothing, even a loose one
+    for bound in (3, 5):
+        assert torch.equal(tree_attention(tree, p, max_depth=bound)[0], mask)
+        assert torch.equal(prune(tree, 4, max_depth=bound).tokens, prune(tree, 4).tokens)
 
 
 def test_chain_is_a_tree_with_a_causal_mask():

@@ -202,7 +202,7 @@ class SpecDecoder:
         d.commit(0)  # the draft's own speculative rows are never kept: the next extend rewrites them
 
         v = self.verifier
-        block, rel = tree_attention(tree, 0)  # (1, 1, n+1, n+1) over [root] + nodes, depth offsets
+        block, rel = tree_attention(tree, 0, self.spec.levels)  # (1, 1, n+1, n+1) over [root] + nodes, depths
         logits, taps = v.forward({"ids": torch.cat([next_ids[-1:], tree.tokens])}, v.length + rel, block[0, 0])
         path, nxt = self._accept(tree, q, logits, sampling, gen)
         rows = [0] + [1 + i for i in path]
@@ -229,6 +229,11 @@ class SpecDecoder:
         """K tokens, each fed back with the draft's own hidden state. Returns (chain, q (K, V) or None):
         greedy takes the draft's argmax; sampling draws from the draft's distribution (its q goes to
         the verifier). Tokens stay on the device: no host sync between draft steps."""
+        if sampling.greedy and self.drafter.static:  # the K-1 feedback steps as one replay
+            first = self.draft_ids[logits.argmax()].view(1)
+            rest = self.drafter.greedy_chain(first, hidden[None], root_pos + 1, self.spec.K - 1) \
+                if self.spec.K > 1 else first[:0]
+            return DraftTree.chain(torch.cat([first, rest])), None
         tokens, qs = [], []
         for i in range(self.spec.K):
             if i:  # token i-1 at position root_pos + i, seeing the round's earlier draft rows (causal)
@@ -260,12 +265,12 @@ class SpecDecoder:
                 break
             parents = tree.parents[frontier]
             h_in = torch.where((parents < 0)[:, None], hidden, node_hidden[parents.clamp(min=0)])  # (F, H)
-            mask, pos = frontier_attention(tree, frontier, cached, 0, root_pos)
+            mask, pos = frontier_attention(tree, frontier, cached, 0, root_pos, level + 1)
             logits, h = d.forward({"ids": tree.tokens[frontier], "hidden": h_in}, pos, mask[0, 0])
             node_hidden[frontier] = h
             cached = torch.cat([cached, frontier])
             logp = logits.float().log_softmax(-1)
-        return prune(tree, s.budget), None
+        return prune(tree, s.budget, s.depth), None
 
     # -- helpers -----------------------------------------------------------------------------------
     def _start(self, input_ids, max_new_tokens, sampling, eos_ids, stream, seed):

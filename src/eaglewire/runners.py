@@ -160,6 +160,7 @@ class SlotRunner:
         self._causal: dict[tuple, torch.Tensor] = {}
         self._pool = None
         # dynamic=False: one graph per padded size; shapes never vary within one
+        self.compiles = compile
         self._compiled = torch.compile(self._masked_forward, dynamic=False) if compile else None
 
     def _new_cache(self) -> None:
@@ -279,10 +280,14 @@ class SlotRunner:
         its guard `keys is None` recompiles)."""
         if not compiled or self._compiled is None or any(layer.keys is None for layer in self._layers()):
             return self._masked_forward(feed, view_len)
+        return self._guarded(self._compiled, feed, view_len)
+
+    def _guarded(self, compiled_fn, *args):
+        """Call a torch.compile'd function; fail, never fall back to eager: a silent fallback would
+        only show as a slow benchmark."""
         try:
-            # fail, never fall back to eager: a silent fallback would only show as a slow benchmark
             with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
-                return self._compiled(feed, view_len)
+                return compiled_fn(*args)
         except torch._dynamo.exc.TorchDynamoException as e:
             what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CompileError(f"torch.compile of the {type(self).__name__} forward failed ({what[:300]}); "
@@ -291,20 +296,23 @@ class SlotRunner:
     def _static_size(self, ts: int, example: dict[str, torch.Tensor]) -> _Static:
         """The buffers of size Ts for these input kinds; on CUDA with graphs, its graph (captured once)."""
         key = (ts, tuple(sorted(example)))
-        if key in self._static:
-            return self._static[key]
-        s, dev = self.book.max_len, self.device
-        inputs = {k: torch.zeros(1, ts, *v.shape[1:], dtype=v.dtype, device=dev) for k, v in example.items()}
-        inputs.update(pos=torch.zeros(1, ts, dtype=torch.long, device=dev),
-                      block=torch.eye(ts, self.max_pending + ts, dtype=torch.bool, device=dev),
-                      at=torch.tensor([0, s - ts], device=dev))  # capture writes land in scratch slots
+        if key not in self._static:
+            s, dev = self.book.max_len, self.device
+            inputs = {k: torch.zeros(1, ts, *v.shape[1:], dtype=v.dtype, device=dev) for k, v in example.items()}
+            inputs.update(pos=torch.zeros(1, ts, dtype=torch.long, device=dev),
+                          block=torch.eye(ts, self.max_pending + ts, dtype=torch.bool, device=dev),
+                          at=torch.tensor([0, s - ts], device=dev))  # capture writes land in scratch slots
+            self._static[key] = self._make_static(inputs, lambda: self._call(inputs, s))
+        return self._static[key]
+
+    def _make_static(self, inputs: dict[str, torch.Tensor], fn) -> _Static:
+        """A static-shape function over fixed input buffers: a captured CUDA graph, or a plain call."""
         st = _Static(inputs)
         if self.cuda_graphs:
-            replay, st.outputs = self._capture(lambda: self._call(inputs, s))
+            replay, st.outputs = self._capture(fn)
             st.run = lambda: (replay(), st.outputs)[1]
         else:
-            st.run = lambda: self._call(inputs, s)
-        self._static[key] = st
+            st.run = fn
         return st
 
     def _capture(self, fn) -> tuple[object, tuple[torch.Tensor, ...]]:
@@ -388,3 +396,49 @@ class DraftRunner(SlotRunner):
     def _run(self, inputs, pos, mask):
         hidden = self.draft.fuse(inputs["taps"]) if "taps" in inputs else inputs["hidden"]
         return self.draft(inputs["ids"], hidden, pos, cache=self.kv, attn_mask=mask)
+
+    @torch.no_grad()
+    def greedy_chain(self, token: torch.Tensor, hidden: torch.Tensor, position: int, steps: int) -> torch.Tensor:
+        """`steps` greedy draft steps as ONE static function (one compiled graph, one CUDA-graph
+        replay): step i feeds the previous step's argmax token (target id) and hidden state at
+        `position + i`, seeing every slot before its own. token (1,) target id and hidden (1, H) on
+        the device -> (steps,) target ids. Writes `steps` pending rows, like `steps` forwards."""
+        start = self.length + self.pending
+        assert self.static and self.kv.layers[0].keys is not None, "an extend forward first (static runner)"
+        assert self.pending + steps <= self.max_pending + max(self.sizes) and start + steps <= self.book.max_len
+        key = ("greedy_chain", steps)
+        if key not in self._static:
+            s, dev = self.book.max_len, self.device
+            inputs = {"ids": torch.zeros(1, dtype=torch.long, device=dev),
+                      "hidden": torch.zeros(1, hidden.shape[-1], dtype=hidden.dtype, device=dev),
+                      "pos": torch.zeros(1, dtype=torch.long, device=dev),
+                      "at": torch.tensor([s - steps], device=dev)}  # capture writes land in scratch slots
+            if self.compiles:
+                compiled = torch.compile(self._greedy_chain, dynamic=False)
+                fn = lambda: (self._guarded(compiled, inputs, steps),)  # noqa: E731
+            else:
+                fn = lambda: (self._greedy_chain(inputs, steps),)  # noqa: E731
+            self._static[key] = self._make_static(inputs, fn)
+        st = self._static[key]
+        st.inputs["ids"].copy_(token)
+        st.inputs["hidden"].copy_(hidden)
+        st.inputs["pos"].fill_(position)
+        st.inputs["at"].fill_(start)
+        tokens, = st.run()
+        self.pending += steps
+        return tokens.clone()
+
+    def _greedy_chain(self, feed: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
+        s = self.book.max_len
+        cols = torch.arange(s, device=self.device)
+        ids, hidden, out = feed["ids"], feed["hidden"], []
+        self.book.view_len = s
+        for i in range(steps):
+            slot = feed["at"] + i
+            self.book.slots = slot
+            mask = (cols <= slot)[None, None, None]  # (1, 1, 1, s): everything written before, and itself
+            logits, h = self.draft(ids[None], hidden[None], (feed["pos"] + i)[None], cache=self.kv, attn_mask=mask)
+            ids = self.draft.draft_to_target(logits[0, -1].argmax()).view(1)
+            hidden = h[0]
+            out.append(ids)
+        return torch.cat(out)

@@ -119,10 +119,13 @@ def expand(tree: DraftTree, frontier: torch.Tensor, cand_tokens: torch.Tensor, c
     return grown, tree.num_nodes + best
 
 
-def ancestor_table(tree: DraftTree) -> torch.Tensor:
-    """(n, D) int64, D = max depth: row i = [i, parent(i), grandparent(i), ...], ROOT-padded."""
+def ancestor_table(tree: DraftTree, max_depth: int | None = None) -> torch.Tensor:
+    """(n, D) int64, D = max depth: row i = [i, parent(i), grandparent(i), ...], ROOT-padded.
+
+    max_depth: a bound on the depth the caller knows (D = max_depth; extra columns are ROOT). Without
+    it the depth is read from the tree: a device sync, which a decode loop cannot afford per level."""
     n = tree.num_nodes
-    d = int(tree.depth.max()) if n else 0
+    d = (max_depth if max_depth is not None else int(tree.depth.max())) if n else 0
     cols = [torch.arange(n, device=tree.device)]
     for _ in range(d - 1):  # one hop up per column
         up = cols[-1]
@@ -130,14 +133,14 @@ def ancestor_table(tree: DraftTree) -> torch.Tensor:
     return torch.stack(cols, dim=1) if cols and d else torch.zeros(n, 0, dtype=torch.long, device=tree.device)
 
 
-def ancestor_mask(tree: DraftTree) -> torch.Tensor:
+def ancestor_mask(tree: DraftTree, max_depth: int | None = None) -> torch.Tensor:
     """(n, n) bool: mask[i, j] = node j is node i or one of its ancestors."""
-    table = ancestor_table(tree)  # (n, D)
+    table = ancestor_table(tree, max_depth)  # (n, D)
     j = torch.arange(tree.num_nodes, device=tree.device)
     return (table[:, :, None] == j).any(dim=1)
 
 
-def prune(tree: DraftTree, budget: int) -> DraftTree:
+def prune(tree: DraftTree, budget: int, max_depth: int | None = None) -> DraftTree:
     """Keep the `budget` nodes with the highest cumulative score, ancestor-closed, in depth order.
 
     Scores are non-increasing along a path (log-probs <= 0), so with ties broken toward the lower
@@ -147,7 +150,7 @@ def prune(tree: DraftTree, budget: int) -> DraftTree:
     if budget < 0:
         raise ValueError(f"prune: budget must be >= 0, got {budget}")
     n = tree.num_nodes
-    table = ancestor_table(tree)  # (n, D)
+    table = ancestor_table(tree, max_depth)  # (n, D)
     inf = torch.tensor(float("inf"), device=tree.device)
     path_min = torch.where(table >= 0, tree.scores[table.clamp(min=0)], inf).amin(dim=1) if n else tree.scores
     top = torch.sort(-path_min, stable=True).indices[:budget]  # (keep,)
@@ -155,12 +158,12 @@ def prune(tree: DraftTree, budget: int) -> DraftTree:
     remap = torch.full((n,), ROOT, dtype=torch.long, device=tree.device)
     remap[kept] = torch.arange(kept.shape[0], device=tree.device)
     par = tree.parents[kept]
-    new_par = torch.where(par >= 0, remap[par.clamp(min=0)], ROOT)
-    assert bool(((par < 0) | (new_par >= 0)).all()), "prune dropped the parent of a kept node"
+    new_par = torch.where(par >= 0, remap[par.clamp(min=0)], ROOT)  # closed by construction (no sync)
     return DraftTree(tree.tokens[kept], new_par, tree.depth[kept], tree.scores[kept])
 
 
-def tree_attention(tree: DraftTree, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_attention(tree: DraftTree, prefix_len: int, max_depth: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask and positions for the ONE target forward over [root] + tree.tokens.
 
     prefix_len: tokens already in the target's KV cache (everything before the root).
@@ -171,13 +174,13 @@ def tree_attention(tree: DraftTree, prefix_len: int) -> tuple[torch.Tensor, torc
     n = tree.num_nodes
     mask = torch.zeros(n + 1, prefix_len + n + 1, dtype=torch.bool, device=tree.device)
     mask[:, : prefix_len + 1] = True
-    mask[1:, prefix_len + 1:] = ancestor_mask(tree)
+    mask[1:, prefix_len + 1:] = ancestor_mask(tree, max_depth)
     zero = torch.zeros(1, dtype=torch.long, device=tree.device)
     return mask[None, None], prefix_len + torch.cat([zero, tree.depth])
 
 
 def frontier_attention(tree: DraftTree, nodes: torch.Tensor, cached: torch.Tensor, prefix_len: int,
-                       root_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       root_pos: int, max_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask and positions for a DRAFT forward over tree.tokens[nodes] during expansion.
 
     The draft's KV cache holds `prefix_len` entries every node may see, then the tree nodes
@@ -186,7 +189,7 @@ def frontier_attention(tree: DraftTree, nodes: torch.Tensor, cached: torch.Tenso
     root_pos: the position the root has in the draft's numbering (the draft's own alignment).
     Returns mask (1, 1, F, prefix_len+C+F) bool and position_ids (F,) = root_pos + depth.
     """
-    anc = ancestor_mask(tree)[nodes]  # (F, n)
+    anc = ancestor_mask(tree, max_depth)[nodes]  # (F, n)
     seen = torch.ones(nodes.shape[0], prefix_len, dtype=torch.bool, device=tree.device)
     mask = torch.cat([seen, anc[:, cached], anc[:, nodes]], dim=1)
     return mask[None, None], root_pos + tree.depth[nodes]
