@@ -44,6 +44,9 @@ def test_first_turns_keeps_conversations_that_open_with_a_user(tmp_path):
     assert convs[1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say yes."}]
     assert len(convs) == 26 and info["skipped"] == 2 and info["records"] == 28  # the gpt-first and the empty one
     assert len(recipes.first_turns(tmp_path / "sg.json", limit=5)[0]) == 5
+    two, _ = recipes.first_turns(tmp_path / "sg.json", limit=None, turns=2)
+    assert two[0] == [{"role": "user", "content": "Name a color."}, {"role": "user", "content": "Another?"}]
+    assert two[2] == [{"role": "user", "content": "Count to 2."}]  # fewer user turns: all of them
 
 
 def test_sharegpt_comes_from_the_cache_when_not_installed(tmp_path, monkeypatch):
@@ -77,7 +80,7 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     prompts = sharegpt(tmp_path / "sg.json")
     recipe = recipes._override(recipes.RECIPES["full"], type("A", (), dict(
         set=["epochs=1", "batch_tokens=1024", "max_len=256", "eval_fraction=0.2"], max_new_tokens=10,
-        gen_batch_size=8, max_prompts=None, budget_s=600.0, mode=None))())
+        gen_batch_size=8, max_prompts=None, budget_s=600.0, mode=None, turns=2))())
     report = recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts,
                                 device="cpu", progress=False)
     assert report["mode"] == "online" and "datagen" not in report["stages_s"]
@@ -85,12 +88,16 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     meta = json.loads((tmp_path / "full" / "draft" / "config.json").read_text())
     assert meta["training"]["data"]["mode"] == "online"
     assert 0 < meta["training"]["config"]["time_budget_s"] < 600  # what the earlier stages left
+    first = json.loads(open(tmp_path / "full" / "regenerated.jsonl").readline())["messages"]  # --turns 2
+    assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant"]
+    assert first[2]["content"] == "Another?" and report["regenerated"]["replies"] == report["regenerated"][
+        "conversations"] + 1
     with pytest.raises(UsageError, match="not empty"):
         recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts, device="cpu")
 
 
 def test_set_refuses_unknown_fields():
     args = type("A", (), dict(set=["epochz=3"], max_new_tokens=None, gen_batch_size=None, max_prompts=None,
-                              budget_s=None, mode=None))()
+                              budget_s=None, mode=None, turns=None))()
     with pytest.raises(UsageError, match="expected FIELD=VALUE with a training field"):
         recipes._override(recipes.RECIPES["demo"], args)
