@@ -7,6 +7,8 @@ Runs, each over every prompt in turn after a warm-up (`run_prompts`):
   (c) `spec`: our decoder with the draft (chain of K or EAGLE-2 tree).
 (b) and (c) run torch.compile'd forwards by default on CUDA (`compile`, recorded in the settings);
 the warm-up compiles them, and a size first met while timed is counted in `graphs_compiled_while_timed`.
+On a CPU in fp32 they run oneDNN-packed linear layers (prepack.py; "+onednn" in the run's name), while
+(a) keeps transformers' own: the engines differ in their matrix kernels too, and (b) shows by how much.
 
 Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
 `completion_tokens / spec_verify_ct`, vLLM `1 + accepted / drafts`). Acceptance rate at draft
@@ -184,7 +186,7 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     name = "eaglewire-" + ("base" if not speculate else
                            f"chain-K{cfg.chain}" if cfg.mode == "chain"
                            else f"tree-d{cfg.depth}-k{cfg.topk}-b{cfg.budget}")
-    return name + ("+compile" if cfg.compiles(device) else ""), run, dec
+    return name + ("+compile" if cfg.compiles(device) else "") + ("+onednn" if dec.prepack else ""), run, dec
 
 
 def run_prompts(label: str, run, prompts: list[torch.Tensor], cfg: BenchConfig, device: torch.device,

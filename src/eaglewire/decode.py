@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import prepack as packing
 from .acceptance import (SamplingParams, logits_to_probs, verify_chain_greedy, verify_chain_sampling,
                          verify_tree_greedy, verify_tree_sampling)
 from .errors import UsageError
@@ -110,13 +111,16 @@ class SpecDecoder:
     static_shapes pads every step to fixed sizes over the whole cache, as CUDA graphs need (on by
     itself with cuda_graphs or compile; on a CPU it checks that logic). compile runs both models'
     static forwards through torch.compile (inductor fuses the many small kernels of a decoder layer;
-    with cuda_graphs the compiled forward is what the graph captures). device/dtype move the target
-    (and the draft follows the target).
+    with cuda_graphs the compiled forward is what the graph captures). prepack (None: on for fp32
+    on a CPU, off with compile) runs both models on copies whose linear layers use oneDNN-packed
+    weights (prepack.py).
+    device/dtype move the target (and the draft follows the target).
     """
 
     def __init__(self, target, draft=None, meta=None, *, mode: str = "chain", K: int = 7, depth: int = 6,
                  topk: int = 8, budget: int = 63, device=None, dtype=None, cuda_graphs: bool = False,
-                 static_shapes: bool = False, compile: bool = False, strict: bool = False):
+                 static_shapes: bool = False, compile: bool = False, prepack: bool | None = None,
+                 strict: bool = False):
         self.spec = SpecConfig(mode=mode, K=K, depth=depth, topk=topk, budget=budget)
         self.target, self.draft = target, draft
         if device is not None or dtype is not None:
@@ -127,7 +131,12 @@ class SpecDecoder:
             raise UsageError(f"CUDA graphs need the target on a CUDA device, it is on {p.device}")
         self.context = getattr(target.config, "max_position_embeddings", None)
         graphs = dict(static=static_shapes, cuda_graphs=cuda_graphs, compile=compile)
-        self.plain = TargetRunner(target.model, None, sizes=(1,), **graphs)
+        # auto: not with compile, whose inductor lays weights out itself (and cannot trace oneDNN tensors)
+        self.prepack = packing.available(p.device, p.dtype) and not compile if prepack is None else prepack
+        if self.prepack and not packing.available(p.device, p.dtype):
+            raise UsageError(f"prepack needs an fp32 target on a CPU with oneDNN; it is {p.dtype} on {p.device}")
+        model = packing.prepacked(target.model) if self.prepack else target.model
+        self.plain = TargetRunner(model, None, sizes=(1,), **graphs)
         self.warnings: list[str] = []
         if draft is None:
             return
@@ -140,14 +149,15 @@ class SpecDecoder:
         if s.mode == "tree" and s.topk > draft.config.draft_vocab_size:
             raise UsageError(f"--topk {s.topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size} tokens)")
         draft.to(device=p.device, dtype=p.dtype).eval()
+        engine_draft = packing.prepacked(draft) if self.prepack else draft
         self.draft_ids = torch.arange(draft.config.draft_vocab_size, device=p.device) + draft.d2t  # -> target id
         verify = s.K + 1 if s.mode == "chain" else s.budget + 1
-        self.verifier = TargetRunner(target.model, meta.contract, sizes=(verify,), **graphs)
+        self.verifier = TargetRunner(model, meta.contract, sizes=(verify,), **graphs)
         if s.mode == "chain":  # extends of up to K+1 rows, then single steps
             sizes, pending = (1, s.K + 1), s.K - 1
         else:  # extends of up to depth+1 rows, then frontiers of topk
             sizes, pending = (s.topk, s.depth + 1), (s.depth - 1) * s.topk
-        self.drafter = DraftRunner(draft, sizes=sizes, max_pending=pending, **graphs)
+        self.drafter = DraftRunner(engine_draft, sizes=sizes, max_pending=pending, **graphs)
 
     # -- entry points ------------------------------------------------------------------------------
     @torch.no_grad()

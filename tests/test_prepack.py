@@ -1,0 +1,61 @@
+"""prepack.py: oneDNN-packed linears give the dense model's outputs and leave the caller's model alone."""
+
+import pytest
+import torch
+
+import eaglewire.decode as decode
+from eaglewire import prepack
+from eaglewire.errors import UsageError
+
+from tiny import tiny_model
+from test_decode import CHAIN, TREE, as_target, drafts, llama, prompts, reference_greedy, seqs  # noqa: F401
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")]
+
+
+def test_packed_linear_equals_linear():
+    torch.manual_seed(0)
+    for bias in (False, True):
+        lin = torch.nn.Linear(24, 40, bias=bias)
+        packed = prepack.PackedLinear(lin)
+        for shape in ((1, 24), (3, 24), (2, 5, 24)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+        x = torch.randn(24, 6).t()  # a non-contiguous input
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_prepacked_model_matches_and_shares_everything_but_the_packing(llama):  # noqa: F811
+    m = llama.model
+    packed = prepack.prepacked(m)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = m(ids).logits, packed(ids).logits
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert all(type(x) is not torch.nn.Linear for x in packed.modules())
+    assert any(type(x) is torch.nn.Linear for x in m.modules())  # the caller's model is untouched
+    same = {p.data_ptr() for p in m.parameters()}
+    assert all(p.data_ptr() in same for p in packed.parameters())  # shared, not copied
+
+
+def test_decoder_packs_on_cpu_fp32_unless_told_or_compiling(llama, seqs, drafts):  # noqa: F811
+    on = decode.SpecDecoder(llama, *drafts["trained"], **CHAIN)
+    off = decode.SpecDecoder(llama, *drafts["trained"], prepack=False, **TREE)
+    assert on.prepack and not off.prepack
+    assert not decode.SpecDecoder(llama, *drafts["trained"], compile=True, **CHAIN).prepack
+    assert type(on.verifier.model.lm_head) is prepack.PackedLinear
+    assert type(on.drafter.draft.lm_head) is prepack.PackedLinear
+    assert type(off.verifier.model.lm_head) is torch.nn.Linear
+    for p in prompts(seqs)[:3]:
+        ref = reference_greedy(llama.model, p, 24)
+        assert on.generate(p, 24).tokens == ref and off.generate(p, 24).tokens == ref
+
+
+def test_prepack_refuses_what_it_cannot_pack():
+    assert not prepack.available(torch.device("cpu"), torch.bfloat16)
+    t = as_target(tiny_model("llama").to(torch.bfloat16))
+    with pytest.raises(UsageError, match="prepack needs an fp32 target on a CPU"):
+        decode.SpecDecoder(t, prepack=True)
+    assert not decode.SpecDecoder(t).prepack  # auto: off for bf16
