@@ -143,7 +143,8 @@ def test_bench_chain_json_table_plot(shift, prompt_file, tmp_path, capsys):
     assert sum(acc["accepted_histogram"]) == acc["verification_steps"]
     g = r["greedy_check"]
     assert g["ok"] is True and g["mismatches"] == [] and g["compared"] == ["base", "spec"]
-    assert r["settings"]["compile"] is False and r["runs"]["base"]["name"] == "eaglewire-base"  # auto: off on cpu
+    assert r["settings"]["compile"] is False  # auto: off on cpu, where fp32 runs oneDNN-packed linears instead
+    assert r["settings"]["prepack"] is True and r["runs"]["base"]["name"] == "eaglewire-base+onednn"
     assert r["runs"]["spec"]["graphs_compiled_while_timed"] == 0
 
 
@@ -160,6 +161,11 @@ def test_compile_setting(monkeypatch):
     for flags, want in (([], "auto"), (["--compile"], True), (["--no-compile"], False)):
         assert main(["bench", "--target", "t", "--draft", "d", *flags]) == 2
         assert seen[-1] == want, flags
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["prepack"]) or (_ for _ in ()).throw(
+        UsageError("stop")))
+    for flags, want in (([], True), (["--no-prepack"], False)):
+        assert main(["bench", "--target", "t", "--draft", "d", *flags]) == 2
+        assert seen[-1] == want, flags
 
 
 def test_bench_tree_on_random_pair_is_lossless(random_pair, prompt_file):
@@ -170,7 +176,7 @@ def test_bench_tree_on_random_pair_is_lossless(random_pair, prompt_file):
     acc = r["acceptance"]
     assert len(acc["rate_by_position"]) == 3 and all(0 <= x <= 1 for x in acc["rate_by_position"])
     assert acc["acceptance_length"] == pytest.approx(r["runs"]["spec"]["tokens"] / acc["verification_steps"])
-    assert r["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5"
+    assert r["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5+onednn"
 
 
 def test_no_hf_and_sampling(shift, prompt_file):

@@ -94,7 +94,8 @@ def test_generate_streams_the_targets_greedy_text(env, capsys):
     tok = char_tokenizer()
     ids = encode(tok, prompt="hello there")
     want = reference_text(env["target"], ids, 40)
-    for extra in ([], ["--tree", "--depth", 3, "--topk", 3, "--budget", 8], ["--chain", 2], ["--no-spec"]):
+    for extra in ([], ["--tree", "--depth", 3, "--topk", 3, "--budget", 8], ["--chain", 2], ["--no-spec"],
+                  ["--no-prepack"]):
         rc, out, err = run(capsys, "--target", env["target"], "--draft", env["draft"], "--prompt", "hello there",
                            "--max-new-tokens", 40, *extra)
         assert rc == 0, err

@@ -65,6 +65,7 @@ class BenchConfig:
     hf_cache: str = "auto"  # auto: static on cuda, dynamic on cpu
     cuda_graphs: bool = True  # ignored on cpu
     compile: bool | str = "auto"  # torch.compile our decoder's forwards; auto: on cuda, not on cpu
+    prepack: bool = True  # oneDNN-packed linears for our decoder where they apply (fp32 on a cpu, not compiled)
     warmup: bool = True
     seed: int = 0
     bandwidth: float | None = None  # bytes/s; None: BANDWIDTH by device name
@@ -86,6 +87,8 @@ class BenchConfig:
             bad("dtype", f"must be one of {list(DTYPES)}")
         if self.compile not in ("auto", True, False):
             bad("compile", "must be auto, True or False")
+        if not isinstance(self.prepack, bool):
+            bad("prepack", "must be True or False")
         if self.hf_cache not in ("auto", "dynamic", "static"):
             bad("hf_cache", "must be auto, dynamic or static")
         if self.bandwidth is not None and not self.bandwidth > 0:
@@ -170,7 +173,8 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     graphs = cfg.cuda_graphs and device.type == "cuda"
     # The pair check (taps, hidden size, vocab, fingerprint) runs here, before anything is timed.
     dec = SpecDecoder(target, draft if speculate else None, meta if speculate else None, mode=cfg.mode,
-                      cuda_graphs=graphs, compile=cfg.compiles(device), **shape)
+                      cuda_graphs=graphs, compile=cfg.compiles(device), prepack=None if cfg.prepack else False,
+                      **shape)
     greedy = cfg.sampling.greedy
 
     def run(ids: torch.Tensor, max_new: int, seed: int = 0) -> Generation:
@@ -488,7 +492,7 @@ def cmd_bench(args) -> int:
                     top_p=args.top_p, top_k=args.top_k, mode="tree" if args.tree else "chain",
                     chain=args.chain or 7, depth=args.depth, topk=args.topk, budget=args.budget, device=args.device,
                     dtype=args.dtype, hf=not args.no_hf, hf_cache=args.hf_cache, cuda_graphs=not args.no_cuda_graphs,
-                    compile="auto" if args.compile is None else args.compile,
+                    compile="auto" if args.compile is None else args.compile, prepack=not args.no_prepack,
                     warmup=not args.no_warmup, seed=args.seed,
                     bandwidth=args.bandwidth * 1e12 if args.bandwidth else None)
     if args.tree and args.chain:
@@ -538,6 +542,8 @@ def register(sub) -> None:
     comp.add_argument("--compile", dest="compile", action="store_const", const=True, default=None,
                       help="torch.compile our decoder's forwards (default: on cuda only; the first steps compile)")
     comp.add_argument("--no-compile", dest="compile", action="store_const", const=False)
+    p.add_argument("--no-prepack", action="store_true",
+                   help="plain nn.Linear in our decoder on a CPU (default: oneDNN-packed weights in fp32)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",

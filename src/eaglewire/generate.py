@@ -119,7 +119,8 @@ def cmd_generate(args) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # printed below, one line each
         dec = SpecDecoder(target, draft, meta, **shape, strict=args.strict,
-                          cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs, compile=args.compile)
+                          cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs, compile=args.compile,
+                          prepack=False if args.no_prepack else None)
     for w in dec.warnings:
         print(f"eaglewire generate: warning: {w}", file=sys.stderr)
     stream = TextStream(target.tokenizer)
@@ -169,6 +170,8 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--no-cuda-graphs", action="store_true", help="on CUDA, run every step eagerly")
+    p.add_argument("--no-prepack", action="store_true",
+                   help="plain nn.Linear on a CPU (default: oneDNN-packed weights in fp32)")
     p.add_argument("--compile", action="store_true", help="torch.compile the forwards (fused kernels; the first "
                    "steps of each size compile, worth it for long outputs)")
     p.set_defaults(func=cmd_generate)
