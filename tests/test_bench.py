@@ -144,7 +144,8 @@ def test_bench_chain_json_table_plot(shift, prompt_file, tmp_path, capsys):
     g = r["greedy_check"]
     assert g["ok"] is True and g["mismatches"] == [] and g["compared"] == ["base", "spec"]
     assert r["settings"]["compile"] is False  # auto: off on cpu, where fp32 runs oneDNN-packed linears instead
-    assert r["settings"]["prepack"] is True and r["runs"]["base"]["name"] == "eaglewire-base+onednn"
+    assert r["settings"]["prepack"] is True  # asked for; the tiny layers are too small to pack:
+    assert r["runs"]["base"]["name"] == "eaglewire-base"  # "+onednn" names runs that did
     assert r["runs"]["spec"]["graphs_compiled_while_timed"] == 0
 
 
@@ -176,7 +177,7 @@ def test_bench_tree_on_random_pair_is_lossless(random_pair, prompt_file):
     acc = r["acceptance"]
     assert len(acc["rate_by_position"]) == 3 and all(0 <= x <= 1 for x in acc["rate_by_position"])
     assert acc["acceptance_length"] == pytest.approx(r["runs"]["spec"]["tokens"] / acc["verification_steps"])
-    assert r["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5+onednn"
+    assert r["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5"
 
 
 def test_no_hf_and_sampling(shift, prompt_file):

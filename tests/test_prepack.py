@@ -26,7 +26,12 @@ def test_packed_linear_equals_linear():
         torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
-def test_prepacked_model_matches_and_shares_everything_but_the_packing(llama):  # noqa: F811
+@pytest.fixture
+def pack_all(monkeypatch):
+    monkeypatch.setattr(prepack, "MIN_WEIGHTS", 0)  # the tiny test layers are below the size that pays
+
+
+def test_prepacked_model_matches_and_shares_everything_but_the_packing(llama, pack_all):  # noqa: F811
     m = llama.model
     packed = prepack.prepacked(m)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -40,7 +45,15 @@ def test_prepacked_model_matches_and_shares_everything_but_the_packing(llama):  
     assert all(p.data_ptr() in same for p in packed.parameters())  # shared, not copied
 
 
-def test_decoder_packs_on_cpu_fp32_unless_told_or_compiling(llama, seqs, drafts):  # noqa: F811
+def test_small_layers_stay_dense(llama, drafts):  # noqa: F811
+    assert prepack.prepacked(llama.model) is llama.model  # hidden 32: nothing is large enough
+    assert not decode.SpecDecoder(llama, *drafts["trained"], **CHAIN).prepack
+    big = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.LayerNorm(1536), torch.nn.Linear(1536, 8))
+    packed = prepack.prepacked(big)
+    assert type(packed[0]) is prepack.PackedLinear and type(packed[2]) is torch.nn.Linear
+
+
+def test_decoder_packs_on_cpu_fp32_unless_told_or_compiling(llama, seqs, drafts, pack_all):  # noqa: F811
     on = decode.SpecDecoder(llama, *drafts["trained"], **CHAIN)
     off = decode.SpecDecoder(llama, *drafts["trained"], prepack=False, **TREE)
     assert on.prepack and not off.prepack

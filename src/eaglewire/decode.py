@@ -136,6 +136,7 @@ class SpecDecoder:
         if self.prepack and not packing.available(p.device, p.dtype):
             raise UsageError(f"prepack needs an fp32 target on a CPU with oneDNN; it is {p.dtype} on {p.device}")
         model = packing.prepacked(target.model) if self.prepack else target.model
+        self.prepack = model is not target.model  # False too when no layer is large enough to pack
         self.plain = TargetRunner(model, None, sizes=(1,), **graphs)
         self.warnings: list[str] = []
         if draft is None:
@@ -212,8 +213,12 @@ class SpecDecoder:
         d.commit(0)  # the draft's own speculative rows are never kept: the next extend rewrites them
 
         v = self.verifier
-        block, rel = tree_attention(tree, 0, self.spec.levels)  # (1, 1, n+1, n+1) over [root] + nodes, depths
-        logits, taps = v.forward({"ids": torch.cat([next_ids[-1:], tree.tokens])}, v.length + rel, block[0, 0])
+        ids = torch.cat([next_ids[-1:], tree.tokens])  # [root] + nodes
+        if self.spec.mode == "chain":  # a chain's tree mask is causal: the runner's cached block
+            logits, taps = v.forward({"ids": ids}, self._positions(v.length, len(ids)))
+        else:
+            block, rel = tree_attention(tree, 0, self.spec.levels)  # (1, 1, n+1, n+1), depth offsets
+            logits, taps = v.forward({"ids": ids}, v.length + rel, block[0, 0])
         path, nxt = self._accept(tree, q, logits, sampling, gen)
         rows = [0] + [1 + i for i in path]
         v.commit(rows)

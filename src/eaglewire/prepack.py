@@ -7,9 +7,11 @@ and 11.8 ms for eight, a whole forward 42 ms for one token and 62 ms for four. W
 packed once for oneDNN: lm_head 3.4 / 5.2 ms, the forward 32 / 41 ms, logits equal to 1e-4 and the
 same argmax at every position. docs/PERFORMANCE.md has the benchmark.
 
-`prepacked(module)` returns a copy of the module tree in which every nn.Linear is a `PackedLinear`;
-every other tensor (embeddings, norms, buffers, the dense weights themselves) is shared, not
-copied, so the caller's model is untouched (HF `generate` in the same benchmark keeps its own).
+`prepacked(module)` returns a copy of the module tree in which every nn.Linear of at least
+MIN_WEIGHTS weights is a `PackedLinear`; every other tensor (embeddings, norms, buffers, the dense
+weights themselves) is shared, not copied, so the caller's model is untouched (HF `generate` in the
+same benchmark keeps its own). Smaller layers stay dense: there oneDNN's per-call conversions cost
+more than the packing saves (a hidden-32 test model ran 2.5x slower packed).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import copy
 import torch
 from torch import nn
 
+MIN_WEIGHTS = 1 << 16  # SmolLM2-135M's smallest projection (k_proj) has 110,592
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Packing pays for fp32 on a CPU with oneDNN; elsewhere the dense path is used."""
@@ -47,16 +50,23 @@ class PackedLinear(nn.Module):
 
 
 def prepacked(module: nn.Module) -> nn.Module:
-    """A copy of `module` whose nn.Linear layers are PackedLinear; all other tensors are shared."""
+    """A copy of `module` whose large nn.Linear layers are PackedLinear, all other tensors shared; the
+    module itself when none is large enough."""
+    if not any(_packs(m) for m in module.modules()):
+        return module
     shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
     out = copy.deepcopy(module, memo=shared)
     _swap(out)
     return out.eval()
 
 
+def _packs(m: nn.Module) -> bool:
+    return type(m) is nn.Linear and m.weight.numel() >= MIN_WEIGHTS
+
+
 def _swap(module: nn.Module) -> None:
     for name, child in module.named_children():
-        if type(child) is nn.Linear:
+        if _packs(child):
             setattr(module, name, PackedLinear(child))
         else:
             _swap(child)
