@@ -1,0 +1,136 @@
+"""Where a decode round's time goes: the whole round (host clock) against the GPU time of the CUDA
+graphs it replays, for plain decoding, a greedy chain and an EAGLE-2 tree, on the same prompt.
+
+    python benchmarks/decode_steps.py --target smollm2-135m --draft CKPT --json out.json
+    python benchmarks/decode_steps.py --random-draft --json out.json      # any target, no checkpoint
+
+A round that costs far more than its replays is bound by host work between them (input copies,
+tree bookkeeping, the acceptance sync); one that costs about its replays is bound by the kernels
+inside them (then fuse: --compile). On a CPU there are no graphs: only the round is timed.
+Prints a table and writes the same numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from eaglewire import __version__, targets
+from eaglewire.checkpoint import load_draft, save_draft
+from eaglewire.decode import SpecDecoder
+from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.taps import TapContract
+
+
+def random_draft(target, out: Path):
+    """An untrained draft shaped for the target: the timing of a round does not depend on its weights
+    (acceptance does: rounds then accept ~nothing, so the extend is a single row)."""
+    contract = TapContract.default(target.num_layers)
+    draft = Eagle3Draft(DraftConfig.for_target(target.model.config, len(contract.taps),
+                                               min(32000, target.config.vocab_size)))
+    save_draft(draft, out, contract=contract, target_fingerprint=target.fingerprint)
+    return load_draft(out)
+
+
+def graph_ms(replays: list, iters: int = 50) -> float | None:
+    """Summed GPU milliseconds of one replay of each graph (CUDA events around `iters` replays)."""
+    if not replays:
+        return None
+    total = 0.0
+    for replay in replays:
+        replay()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            replay()
+        b.record()
+        torch.cuda.synchronize()
+        total += a.elapsed_time(b) / iters
+    return total
+
+
+def replays(runner) -> dict[str, object]:
+    """The runner's captured graphs by key (empty without CUDA graphs)."""
+    return {str(k): st.run for k, st in runner._static.items() if st.outputs is not None}
+
+
+def measure(dec: SpecDecoder, ids: torch.Tensor, new: int, repeats: int, plain: bool) -> dict:
+    run = dec.generate_plain if plain else dec.generate
+    run(ids, new)  # warm-up: compiles and captures every size this prompt meets
+    results = [run(ids, new) for _ in range(repeats)]
+    best = min(results, key=lambda r: r.timings["step_ms"])
+    row = {"round_ms": best.timings["step_ms"], "tokens_per_s": best.timings["decode_tokens_per_s"],
+           "acceptance_length": None if plain else best.acceptance_length,
+           "round_ms_median": statistics.median(r.timings["step_ms"] for r in results)}
+    if dec.device.type == "cuda":
+        runners = [dec.plain] if plain else [dec.drafter, dec.verifier]
+        graphs = {f"{type(r).__name__}{k}": fn for r in runners for k, fn in replays(r).items()}
+        row["graphs"] = {k: graph_ms([fn]) for k, fn in graphs.items()}
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=targets.DEFAULT_TARGET)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--draft", metavar="CKPT")
+    src.add_argument("--random-draft", action="store_true", help="an untrained draft shaped for the target")
+    p.add_argument("--device", default=None)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new", type=int, default=128, help="new tokens per timed generation")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--chain", type=int, default=7)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--budget", type=int, default=63)
+    p.add_argument("--no-compile", action="store_true", help="eager forwards inside the graphs")
+    p.add_argument("--json", metavar="OUT")
+    a = p.parse_args(argv)
+
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t = targets.load_target(a.target, device=device)
+    dtype = next(t.model.parameters()).dtype
+    with tempfile.TemporaryDirectory() as tmp:
+        draft, meta = random_draft(t, Path(tmp) / "d") if a.random_draft else load_draft(a.draft)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, t.config.vocab_size, (a.prompt_len,), generator=gen)
+    cuda = device.type == "cuda"
+    common = dict(cuda_graphs=cuda, compile=cuda and not a.no_compile)
+    shapes = {"plain": None, f"chain K={a.chain}": dict(mode="chain", K=a.chain),
+              f"tree d={a.depth} k={a.topk} b={a.budget}": dict(mode="tree", depth=a.depth, topk=a.topk,
+                                                                 budget=a.budget)}
+    rows = {}
+    for name, shape in shapes.items():
+        dec = SpecDecoder(t, None if shape is None else draft, None if shape is None else meta, **(shape or {}),
+                          **common)
+        rows[name] = measure(dec, ids, a.new, a.repeats, plain=shape is None)
+
+    print(f"decode rounds: {a.target} {str(dtype).split('.')[-1]} on "
+          f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}")
+    print(f"{'mode':<24}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
+    for name, r in rows.items():
+        g = sum(r["graphs"].values()) if r.get("graphs") else None
+        # the draft's graphs replay several times a round (a tree level each, a chain once): a lower bound
+        host = r["round_ms"] - g if g is not None else None
+        acc = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
+        print(f"{name:<24}{r['round_ms']:>10.3f}{(f'{g:.3f}' if g is not None else '-'):>11}"
+              f"{(f'{host:.3f}' if host is not None else '-'):>9}{r['tokens_per_s']:>9.1f}{acc:>8}")
+    if a.json:
+        out = {"eaglewire": __version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "target": a.target,
+               "device": str(device), "dtype": str(dtype), "torch": torch.__version__, "settings": vars(a),
+               "rows": rows}
+        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"json: {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
