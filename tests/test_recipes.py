@@ -101,3 +101,10 @@ def test_set_refuses_unknown_fields():
                               budget_s=None, mode=None, turns=None))()
     with pytest.raises(UsageError, match="expected FIELD=VALUE with a training field"):
         recipes._override(recipes.RECIPES["demo"], args)
+
+
+def test_turns_must_keep_a_user_turn():
+    args = type("A", (), dict(set=None, max_new_tokens=None, gen_batch_size=None, max_prompts=None, budget_s=None,
+                              mode=None, turns=0))()
+    with pytest.raises(UsageError, match="--turns 0: keep at least 1 user turn"):
+        recipes._override(recipes.RECIPES["full"], args)
