@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     print(f"{'mode':<24}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
     for name, r in rows.items():
         g = sum(r["graphs"].values()) if r.get("graphs") else None
-        # the draft's graphs replay several times a round (a tree level each, a chain once): a lower bound
+        # one replay of each graph: a tree replays its frontier graph once per level, so for trees
+        # "host" is an upper bound on the host work
         host = r["round_ms"] - g if g is not None else None
         acc = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         print(f"{name:<24}{r['round_ms']:>10.3f}{(f'{g:.3f}' if g is not None else '-'):>11}"
