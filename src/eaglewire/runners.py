@@ -189,13 +189,40 @@ class SlotRunner:
             if torch.equal(rows, torch.arange(len(rows))):
                 keep = len(rows)
             else:  # a tree branch: copy its slots down
-                src = (rows + self.length).to(self.device)
-                for layer in self._layers():
-                    layer.move(src, self.length)
+                self._move(rows + self.length)
                 keep = len(rows)
         assert keep <= self.pending
         self.length += keep
         self.pending = 0
+
+    def _move(self, src: torch.Tensor) -> None:
+        """Copy slots `src` (host tensor) to length, length+1, ... in every layer's K and V. With CUDA
+        graphs that is one replay instead of two ops per layer and buffer: `src` is padded with
+        slots that copy onto themselves (every read happens before any write)."""
+        if not self.cuda_graphs:
+            src = src.to(self.device)
+            for layer in self._layers():
+                layer.move(src, self.length)
+            return
+        width = self.max_pending + max(self.sizes)  # the most rows one round writes
+        if "move" not in self._static:
+            s = self.book.max_len
+            inputs = {"src": torch.arange(s - width, s, device=self.device),  # capture: scratch slots onto
+                      "dst": torch.tensor([s - width], device=self.device)}  # themselves
+            self._static["move"] = self._make_static(inputs, lambda: (self._move_all(inputs, width),))
+        st = self._static["move"]
+        padded = torch.cat([src, torch.arange(self.length + len(src), self.length + width)])
+        st.inputs["src"].copy_(padded)
+        st.inputs["dst"].fill_(self.length)
+        st.run()
+
+    def _move_all(self, feed: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+        dst = feed["dst"] + torch.arange(width, device=self.device)
+        for layer in self._layers():
+            for buf in (layer.keys, layer.values):
+                if buf is not None:
+                    buf.index_copy_(2, dst, buf.index_select(2, feed["src"]))
+        return dst
 
     @torch.no_grad()
     def forward(self, inputs: dict[str, torch.Tensor], positions: torch.Tensor, block: torch.Tensor | None = None,
