@@ -347,6 +347,23 @@ def test_eos_max_tokens_and_stream(llama, seqs, drafts):
     assert res.timings["decode_s"] > 0 and res.timings["step_ms"] > 0
 
 
+def test_plain_decoding_reading_tokens_back_in_chunks(llama, seqs):
+    """CUDA's plain loop reads tokens back every PLAIN_AHEAD steps (set here on a CPU): the same
+    tokens, EOS still cuts the output, the stream still sees every token, max tokens still holds."""
+    dec = decode.SpecDecoder(llama, static_shapes=True)
+    assert dec.plain_ahead == 1  # a CPU: no run-ahead by default
+    dec.plain_ahead = decode.PLAIN_AHEAD
+    p = seqs[1][:4].tolist()
+    ref = reference_greedy(llama.model, p, 30)
+    chunks = []
+    res = dec.generate_plain(p, 30, eos_ids=[ref[12]], stream=chunks.append)
+    assert res.tokens == ref[:ref.index(ref[12]) + 1] and res.stop == "eos"
+    assert [t for c in chunks for t in c] == res.tokens  # the prefill's token, then a chunk per read-back
+    assert len(chunks) == 1 + -(-(len(res.tokens) - 1) // decode.PLAIN_AHEAD)
+    for n in (1, 8, 9, 30):  # the last chunk never runs past max_new_tokens (the cache holds no more)
+        assert dec.generate_plain(p, n).tokens == ref[:n]
+
+
 # --- sampling: lossless ---------------------------------------------------------------------------
 
 V = 8  # a small vocabulary: enough samples per cell for a chi-square test in seconds

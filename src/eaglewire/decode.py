@@ -31,6 +31,7 @@ from .targets import compare_fingerprints
 from .tree import DraftTree, expand, frontier_attention, prune, root_frontier, tree_attention
 
 MODES = ("chain", "tree")
+PLAIN_AHEAD = 8  # plain decoding on CUDA: steps queued between read-backs (generate_plain)
 GREEDY = SamplingParams()
 # Fingerprint fields a draft can differ in and still run (a fine-tuned or re-quantized target, another
 # chat template): a warning, an error with strict. Any other difference is always an error.
@@ -130,6 +131,7 @@ class SpecDecoder:
         if cuda_graphs and p.device.type != "cuda":
             raise UsageError(f"CUDA graphs need the target on a CUDA device, it is on {p.device}")
         self.context = getattr(target.config, "max_position_embeddings", None)
+        self.plain_ahead = PLAIN_AHEAD if p.device.type == "cuda" else 1  # a CPU runs each op as issued
         graphs = dict(static=static_shapes, cuda_graphs=cuda_graphs, compile=compile)
         # auto: not with compile, whose inductor lays weights out itself (and cannot trace oneDNN tensors)
         self.prepack = packing.available(p.device, p.dtype) and not compile if prepack is None else prepack
@@ -164,7 +166,8 @@ class SpecDecoder:
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, sampling: SamplingParams = GREEDY, eos_ids=(),
                  stream=None, seed: int | None = None) -> GenerationResult:
-        """New tokens for a prompt (P,) or (1, P); stream(list of new ids) is called once per step."""
+        """New tokens for a prompt (P,) or (1, P); stream(list of new ids) is called once per step
+        (without a draft on CUDA: once per PLAIN_AHEAD tokens)."""
         if self.draft is None:
             return self.generate_plain(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
         ids, gen, out = self._start(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
@@ -184,18 +187,26 @@ class SpecDecoder:
     @torch.no_grad()
     def generate_plain(self, input_ids, max_new_tokens: int, sampling: SamplingParams = GREEDY, eos_ids=(),
                        stream=None, seed: int | None = None) -> GenerationResult:
-        """No speculation: one target step per token, same caches, masks and CUDA graphs."""
+        """No speculation: one target step per token, same caches, masks and CUDA graphs.
+
+        On CUDA the tokens are read back every PLAIN_AHEAD steps, not every step: the host queues
+        the next steps while the GPU runs them (a read-back per token would leave the GPU idle while
+        the host prepares each step). Up to PLAIN_AHEAD - 1 steps past an EOS are computed and dropped.
+        """
         ids, gen, out = self._start(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
         run = self.plain
         run.reset(len(ids) + max_new_tokens)
         logits, = run.prefill(ids)
         tok = self._choose(logits, sampling, gen)
         out.add([int(tok)])
-        while not out.done:  # int(tok): the one sync per token; the token itself stays on the device
-            logits, = run.forward({"ids": tok.view(1)}, self._positions(run.length, 1))
-            run.commit(1)
-            tok = self._choose(logits[0], sampling, gen)
-            out.add([int(tok)])
+        while not out.done:
+            new = []
+            for _ in range(min(self.plain_ahead, out.max_new - len(out.tokens))):  # no host sync inside
+                logits, = run.forward({"ids": tok.view(1)}, self._positions(run.length, 1))
+                run.commit(1)
+                tok = self._choose(logits[0], sampling, gen)
+                new.append(tok)
+            out.add(torch.stack(new).tolist())  # the sync
         return out.result(None, 0)
 
     # -- one round ---------------------------------------------------------------------------------
