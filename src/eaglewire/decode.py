@@ -134,10 +134,11 @@ class SpecDecoder:
         self.plain_ahead = PLAIN_AHEAD if p.device.type == "cuda" else 1  # a CPU runs each op as issued
         graphs = dict(static=static_shapes, cuda_graphs=cuda_graphs, compile=compile)
         # auto: not with compile, whose inductor lays weights out itself (and cannot trace oneDNN tensors)
-        self.prepack = packing.available(p.device, p.dtype) and not compile if prepack is None else prepack
-        if self.prepack and not packing.available(p.device, p.dtype):
+        can_pack = packing.available(p.device, p.dtype)
+        if prepack and not can_pack:
             raise UsageError(f"prepack needs an fp32 target on a CPU with oneDNN; it is {p.dtype} on {p.device}")
-        model = packing.prepacked(target.model) if self.prepack else target.model
+        pack = can_pack and not compile if prepack is None else prepack
+        model = packing.prepacked(target.model) if pack else target.model
         self.prepack = model is not target.model  # False too when no layer is large enough to pack
         self.plain = TargetRunner(model, None, sizes=(1,), **graphs)
         self.warnings: list[str] = []

@@ -61,13 +61,6 @@ class _Slots:
         n = self.book.view_len
         return self.keys[:, :, :n], self.values[:, :, :n]
 
-    def move(self, src: torch.Tensor, dst: int) -> None:
-        """Copy slots `src` to dst, dst+1, ... (index_select copies first, so overlap is safe)."""
-        for buf in (self.keys, self.values):
-            if buf is not None:
-                buf[:, :, dst:dst + len(src)] = buf.index_select(2, src)
-
-
 class SlotLayer(CacheLayerMixin):
     """A transformers cache layer over `_Slots` (HF attention calls `update`, mask code the sizes)."""
 
@@ -196,22 +189,21 @@ class SlotRunner:
         self.pending = 0
 
     def _move(self, src: torch.Tensor) -> None:
-        """Copy slots `src` (host tensor) to length, length+1, ... in every layer's K and V. With CUDA
-        graphs that is one replay instead of two ops per layer and buffer: `src` is padded with
-        slots that copy onto themselves (every read happens before any write)."""
-        if not self.cuda_graphs:
-            src = src.to(self.device)
-            for layer in self._layers():
-                layer.move(src, self.length)
-            return
+        """Copy slots `src` (host tensor) to length, length+1, ... in every layer's K and V. `src` is
+        padded to a fixed width with slots that copy onto themselves (every read happens before any
+        write), so with CUDA graphs it is one replay instead of two ops per layer and buffer."""
         width = self.max_pending + max(self.sizes)  # the most rows one round writes
+        padded = torch.cat([src, torch.arange(self.length + len(src), self.length + width)])
+        if not self.cuda_graphs:
+            self._move_all({"src": padded.to(self.device), "dst": torch.tensor([self.length], device=self.device)},
+                           width)
+            return
         if "move" not in self._static:
             s = self.book.max_len
             inputs = {"src": torch.arange(s - width, s, device=self.device),  # capture: scratch slots onto
                       "dst": torch.tensor([s - width], device=self.device)}  # themselves
             self._static["move"] = self._make_static(inputs, lambda: (self._move_all(inputs, width),))
         st = self._static["move"]
-        padded = torch.cat([src, torch.arange(self.length + len(src), self.length + width)])
         st.inputs["src"].copy_(padded)
         st.inputs["dst"].fill_(self.length)
         st.run()
