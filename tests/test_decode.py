@@ -515,3 +515,42 @@ def test_bad_decoder_settings(llama, drafts, small):
     t, sd, smeta = small
     with pytest.raises(UsageError, match="topk 7 exceeds the draft vocabulary"):
         decode.SpecDecoder(t, sd, smeta, mode="tree", topk=7)
+
+
+def test_captured_functions_never_read_the_device(llama, seqs, drafts, monkeypatch):
+    """What a CUDA graph captures must not read a value back to the host (`.item()`, a 0-d index, a
+    data-dependent shape): capture fails on the GPU (seen on an H200 in the one-replay chain). Here
+    on a CPU, every static function the decoder builds is traced by make_fx with its inputs as
+    tracing tensors: a read-back is `aten._local_scalar_dense`, which make_fx refuses."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = []
+    make_static = SlotRunner._make_static
+
+    def tracing(self, inputs, fn):
+        keys = sorted(inputs)
+
+        def run(*values):
+            saved = dict(inputs)
+            inputs.update(zip(keys, values))
+            try:
+                return fn()
+            finally:
+                inputs.update(saved)
+
+        fn()  # the warm-up a capture does first (it allocates the cache; writes land in scratch slots)
+        kv = [t.clone() for layer in self._layers() for t in (layer.keys, layer.values)]  # tracing writes into it
+        make_fx(run)(*[inputs[k] for k in keys])
+        for t, layer in zip(kv[::2], self._layers()):
+            layer.keys.copy_(t)
+        for t, layer in zip(kv[1::2], self._layers()):
+            layer.values.copy_(t)
+        traced.append(type(self).__name__)
+        return make_static(self, inputs, fn)
+
+    monkeypatch.setattr(SlotRunner, "_make_static", tracing)
+    for shape in (CHAIN, TREE):
+        dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+        for p in prompts(seqs)[:2]:
+            assert dec.generate(p, 24).tokens == reference_greedy(llama.model, p, 24)
+    assert {"TargetRunner", "DraftRunner"} <= set(traced) and len(traced) >= 4

@@ -410,7 +410,8 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
+        # a 0-d index would be read back to the host (a sync that breaks CUDA-graph capture): index 1-d
+        return draft_ids + self.d2t[draft_ids.reshape(-1)].view_as(draft_ids)
 
     # --- the step -----------------------------------------------------------------------------
 
