@@ -14,7 +14,8 @@ import torch
 from eaglewire import cli, targets
 from eaglewire.capture import capture
 from eaglewire.chat import encode_conversation
-from eaglewire.datagen import GenConfig, generate_batched, regenerate, run_datagen
+from eaglewire import datagen
+from eaglewire.datagen import GenConfig, generate_batched, plan_batches, regenerate, run_datagen
 from eaglewire.errors import EaglewireError
 from eaglewire.prompts import load_conversations
 from eaglewire.shards import open_dataset, read_manifest
@@ -128,6 +129,47 @@ def test_regeneration_is_batched_left_padded_and_turn_by_turn(llama):
     assert llama.tokenizer.decode(ids[0, len(prompt):], skip_special_tokens=True).strip() == out[2][2]["content"]
     # a prompt that fills --max-len leaves nothing to reply to
     assert regenerate(llama, convs[1:2], gen, max_len=10)[0].reason == "prompt longer than --max-len"
+
+
+def test_batches_keep_to_the_token_budget_and_static_shapes_repeat():
+    lengths = [5, 300, 40, 700, 260, 12, 511, 900, 30, 1000, 257, 3]
+    gen = GenConfig(max_new_tokens=100, batch_size=4, batch_tokens=2000)
+    for static in (False, True):
+        plan = plan_batches(lengths, gen, static)
+        assert sorted(k for b in plan for k in b.prompts) == list(range(len(lengths)))  # each prompt once
+        widths = [b.width for b in plan]
+        assert widths == sorted(widths)  # length-sorted
+        for b in plan:
+            assert len(b.prompts) <= b.rows <= gen.batch_size
+            assert max(lengths[k] for k in b.prompts) <= b.width
+            assert b.rows == 1 or b.rows * (b.width + gen.max_new_tokens) <= gen.batch_tokens
+        if static:  # widths on the compile grid, one row count per width: one decode shape per width
+            assert all(w % datagen.STATIC_WIDTH_STEP == 0 for w in widths)
+            assert len({(b.width, b.rows) for b in plan}) == len(set(widths))
+        else:  # no padding beyond the longest prompt, no extra rows
+            assert all(b.width == max(lengths[k] for k in b.prompts) and b.rows == len(b.prompts) for b in plan)
+    # a prompt longer than the budget still gets a batch of its own
+    assert [b.rows for b in plan_batches([5000], gen, True)] == [1]
+    with pytest.raises(EaglewireError, match="--gen-batch-tokens"):
+        GenConfig(max_new_tokens=100, batch_tokens=50)
+    with pytest.raises(EaglewireError, match="--gen-cache"):
+        GenConfig(cache="paged")
+
+
+def test_static_cache_regeneration_matches_dynamic(llama, monkeypatch):
+    """The GPU path (static cache, prompts padded to a width grid, filler rows) on a CPU: same replies."""
+    monkeypatch.setattr(datagen, "STATIC_WIDTH_STEP", 16)
+    convs = [[{"role": "user", "content": "Hi"}],
+             [{"role": "user", "content": "A much longer question, with many more words in it than the others."}],
+             [{"role": "user", "content": "Why is the sky blue?"}], [{"role": "user", "content": "Name a prime."}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]]
+    static = GenConfig(max_new_tokens=6, batch_size=2, batch_tokens=120, cache="static")
+    lengths = [len(llama.tokenizer(llama.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                                   add_special_tokens=False)["input_ids"]) for c in convs]
+    plan = plan_batches(lengths, static, True)
+    assert any(b.rows > len(b.prompts) for b in plan) and len({b.width for b in plan}) > 1  # fillers, 2+ widths
+    assert regenerate(llama, convs, static, max_len=256) == \
+        regenerate(llama, convs, GenConfig(max_new_tokens=6, batch_size=1, cache="dynamic"), max_len=256)
 
 
 def test_max_samples_grows_and_overlong_policies(llama, tmp_path):

@@ -80,7 +80,7 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     prompts = sharegpt(tmp_path / "sg.json")
     recipe = recipes._override(recipes.RECIPES["full"], type("A", (), dict(
         set=["epochs=1", "batch_tokens=1024", "max_len=256", "eval_fraction=0.2"], max_new_tokens=10,
-        gen_batch_size=8, max_prompts=None, budget_s=600.0, mode=None, turns=2))())
+        gen_batch_size=8, gen_batch_tokens=None, gen_cache=None, max_prompts=None, budget_s=600.0, mode=None, turns=2))())
     report = recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts,
                                 device="cpu", progress=False)
     assert report["mode"] == "online" and "datagen" not in report["stages_s"]
@@ -97,14 +97,14 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
 
 
 def test_set_refuses_unknown_fields():
-    args = type("A", (), dict(set=["epochz=3"], max_new_tokens=None, gen_batch_size=None, max_prompts=None,
+    args = type("A", (), dict(set=["epochz=3"], max_new_tokens=None, gen_batch_size=None, gen_batch_tokens=None, gen_cache=None, max_prompts=None,
                               budget_s=None, mode=None, turns=None))()
     with pytest.raises(UsageError, match="expected FIELD=VALUE with a training field"):
         recipes._override(recipes.RECIPES["demo"], args)
 
 
 def test_turns_must_keep_a_user_turn():
-    args = type("A", (), dict(set=None, max_new_tokens=None, gen_batch_size=None, max_prompts=None, budget_s=None,
+    args = type("A", (), dict(set=None, max_new_tokens=None, gen_batch_size=None, gen_batch_tokens=None, gen_cache=None, max_prompts=None, budget_s=None,
                               mode=None, turns=0))()
     with pytest.raises(UsageError, match="--turns 0: keep at least 1 user turn"):
         recipes._override(recipes.RECIPES["full"], args)

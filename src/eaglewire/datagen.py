@@ -28,6 +28,9 @@ class GenConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     batch_size: int = 64
+    # prompt + reply tokens per generate call: long prompts get fewer rows (the KV cache is what fills memory)
+    batch_tokens: int | None = None
+    cache: str = "auto"  # "static" (transformers compiles its decode step on CUDA), "dynamic"; auto: static on CUDA
     seed: int = 0  # sampling is seeded per chunk, so a resumed run writes what an unbroken one would
 
     def __post_init__(self):
@@ -39,6 +42,14 @@ class GenConfig:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.batch_size < 1:
             raise UsageError(f"--gen-batch-size must be >= 1, got {self.batch_size}")
+        if self.batch_tokens is not None and self.batch_tokens < self.max_new_tokens + 1:
+            raise UsageError(f"--gen-batch-tokens {self.batch_tokens}: must leave room for one prompt token and "
+                             f"--max-new-tokens {self.max_new_tokens}")
+        if self.cache not in ("auto", "static", "dynamic"):
+            raise UsageError(f"--gen-cache must be auto, static or dynamic, got {self.cache!r}")
+
+    def static(self, device: torch.device) -> bool:
+        return self.cache == "static" or (self.cache == "auto" and device.type == "cuda")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +79,8 @@ class DatagenConfig:
         """The arguments that change what a sample holds (a resumed run must repeat them)."""
         out = {"regen": self.regen, "max_len": self.max_len, "overlong": self.overlong}
         if self.regen:
-            out["generation"] = {k: v for k, v in asdict(self.gen).items() if k != "batch_size"}
+            out["generation"] = {k: v for k, v in asdict(self.gen).items()
+                                 if k not in ("batch_size", "batch_tokens", "cache")}
         return out
 
 
@@ -86,6 +98,41 @@ def pad_id(tokenizer) -> int:
     return int(pid) if pid is not None else 0
 
 
+# A static cache compiles one decode step per (rows, cache length): prompts are left-padded to a
+# multiple of this width and every batch of a width gets the same number of rows, so a whole
+# regeneration compiles a few shapes instead of one per batch.
+STATIC_WIDTH_STEP = 256
+
+
+@dataclass(frozen=True)
+class Batch:
+    prompts: list[int]  # indices into the prompt list
+    width: int  # left-padded prompt width
+    rows: int  # rows generated (>= len(prompts); the rest repeat a prompt and are dropped)
+
+
+def plan_batches(lengths: list[int], gen: GenConfig, static: bool) -> list[Batch]:
+    """Length-sorted batches of at most `batch_size` rows and `batch_tokens` (width + new tokens) x rows."""
+    def rows_for(width: int) -> int:
+        if gen.batch_tokens is None:
+            return gen.batch_size
+        return max(1, min(gen.batch_size, gen.batch_tokens // (width + gen.max_new_tokens)))
+
+    step = STATIC_WIDTH_STEP if static else 1
+    batches, todo = [], sorted(range(len(lengths)), key=lambda k: lengths[k])
+    while todo:
+        # the batch's width is its longest prompt's, so take rows while they still fit that width's budget
+        n = 1
+        while n < len(todo) and n < rows_for(-(-lengths[todo[n]] // step) * step):
+            n += 1
+        batches.append((todo[:n], -(-lengths[todo[n - 1]] // step) * step))
+        todo = todo[n:]
+    rows: dict[int, int] = {}  # static: one row count per width, the largest batch's
+    for ks, width in batches:
+        rows[width] = max(rows.get(width, 0), len(ks))
+    return [Batch(ks, width, rows[width] if static else len(ks)) for ks, width in batches]
+
+
 @torch.no_grad()
 def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: GenConfig) -> list[str]:
     """Replies to tokenized prompts: length-sorted, left-padded batches through `model.generate`."""
@@ -95,22 +142,23 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
     stops, pad = stop_ids(target), pad_id(tok)
     kw = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} if gen.temperature > 0 else \
         {"do_sample": False}
+    static = gen.static(torch.device(target.device))
+    if static:
+        kw["cache_implementation"] = "static"
     cfg = GenerationConfig(max_new_tokens=gen.max_new_tokens, eos_token_id=stops, pad_token_id=pad, **kw)
-    order = sorted(range(len(prompts_ids)), key=lambda k: len(prompts_ids[k]))
     replies: list[str] = [""] * len(prompts_ids)
-    for b in range(0, len(order), gen.batch_size):
-        batch = order[b:b + gen.batch_size]
-        width = max(len(prompts_ids[k]) for k in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)  # (B, L), left-padded
+    for batch in plan_batches([len(p) for p in prompts_ids], gen, static):
+        rows = batch.prompts + batch.prompts[:1] * (batch.rows - len(batch.prompts))
+        ids = torch.full((len(rows), batch.width), pad, dtype=torch.long)  # (B, L), left-padded
         mask = torch.zeros_like(ids)
-        for r, k in enumerate(batch):
+        for r, k in enumerate(rows):
             n = len(prompts_ids[k])
-            ids[r, width - n:] = torch.tensor(prompts_ids[k])
-            mask[r, width - n:] = 1
+            ids[r, batch.width - n:] = torch.tensor(prompts_ids[k])
+            mask[r, batch.width - n:] = 1
         out = model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
                              generation_config=cfg)
-        for r, k in enumerate(batch):
-            new = out[r, width:].tolist()
+        for r, k in enumerate(batch.prompts):
+            new = out[r, batch.width:].tolist()
             cut = next((i for i, t in enumerate(new) if t in stops), len(new))
             replies[k] = tok.decode(new[:cut], skip_special_tokens=True).strip()
     return replies
@@ -305,7 +353,8 @@ def cmd_datagen(args) -> int:
     if path.stat().st_size == 0:
         raise UsageError(f"--prompts {path}: the file is empty")
     gen = GenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    batch_size=args.gen_batch_size, seed=args.seed)
+                    batch_size=args.gen_batch_size, batch_tokens=args.gen_batch_tokens, cache=args.gen_cache,
+                    seed=args.seed)
     options = dict(regen=args.regen, max_samples=args.max_samples, max_len=args.max_len, gen=gen,
                    overlong=args.overlong, batch_size=args.batch_size, dtype=args.dtype, shard_size=args.shard_size)
     DatagenConfig(**options)  # refuse bad arguments before loading the target
@@ -347,5 +396,9 @@ def register(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--gen-batch-size", type=int, default=64, help="prompts per generate call (default 64)")
+    g.add_argument("--gen-batch-tokens", type=int, default=None, metavar="T",
+                   help="at most T prompt + reply tokens per generate call (fewer rows for long prompts)")
+    g.add_argument("--gen-cache", choices=["auto", "static", "dynamic"], default="auto",
+                   help="KV cache of the generate calls (auto: static on CUDA, where transformers compiles it)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.set_defaults(func=cmd_datagen)

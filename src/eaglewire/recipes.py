@@ -62,14 +62,15 @@ RECIPES: dict[str, Recipe] = {
                    gen=datagen.GenConfig(max_new_tokens=48, batch_size=20),
                    train=TrainConfig(steps=40, batch_tokens=1024, lr=1e-3, draft_vocab_size=4096, eval_fraction=0.2,
                                      eval_every=10, log_every=5, ckpt_every=0, max_len=192, warmup_steps=3)),
-    # H200 (one 10-minute call): regeneration of ~11k first-turn replies in batches of 768 sequences
-    # (HF generate is launch-bound at small batches, so the batch is what buys throughput), then
+    # H200 (one 10-minute call): regeneration of ~11k first-turn replies through a static, compiled KV
+    # cache in batches of up to 2048 rows and 1.5M cache tokens (a step costs about the same at any
+    # batch until the cache's memory traffic dominates, so the batch is what buys throughput), then
     # online training with 16k-token micro-batches in bf16 until the budget says stop. The draft
     # vocabulary is EAGLE-3's 32000. lr 1e-3 and more epochs than the budget allows: the clock stops
     # training and the cosine is moved to end there (train.py); on the H200 (2026-11-29, docs/PERFORMANCE.md)
     # 3e-4 for 2 epochs reached acc@1 0.22, 1e-3 for 170 s reached 0.42 and was still rising.
     "full": Recipe(name="full", device="cuda", mode="online", max_prompts=None, max_len=1024, budget_s=570,
-                   reserve_s=30, gen=datagen.GenConfig(max_new_tokens=256, batch_size=768),
+                   reserve_s=30, gen=datagen.GenConfig(max_new_tokens=256, batch_size=2048, batch_tokens=1536 * 1024),
                    train=TrainConfig(epochs=20, batch_tokens=16384, lr=1e-3, min_lr_ratio=0.1, draft_vocab_size=32000,
                                      eval_fraction=0.02, log_every=25, ckpt_every=0, max_len=1024, num_workers=0)),
 }
@@ -232,8 +233,8 @@ def _override(recipe: Recipe, args) -> Recipe:
             train_over[key] = value
     if args.turns is not None and args.turns < 1:
         raise UsageError(f"--turns {args.turns}: keep at least 1 user turn per conversation")
-    gen_over = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("batch_size", args.gen_batch_size))
-                if v is not None}
+    gen_over = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("batch_size", args.gen_batch_size),
+                                  ("batch_tokens", args.gen_batch_tokens), ("cache", args.gen_cache)) if v is not None}
     rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s), ("turns", args.turns),
                                   ("mode", args.mode)) if v is not None}
     return dataclasses.replace(recipe, gen=dataclasses.replace(recipe.gen, **gen_over),
@@ -261,6 +262,10 @@ def register(sub) -> None:
                         "and more varied training replies, and a longer regeneration)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="regenerated reply length")
     p.add_argument("--gen-batch-size", type=int, default=None, help="sequences per generate call")
+    p.add_argument("--gen-batch-tokens", type=int, default=None, metavar="T",
+                   help="prompt + reply tokens per generate call (long prompts get fewer rows)")
+    p.add_argument("--gen-cache", choices=["auto", "static", "dynamic"], default=None,
+                   help="KV cache of regeneration (auto: static on CUDA, where transformers compiles the decode step)")
     p.add_argument("--mode", choices=["datagen", "online"], default=None, help="offline shards or online training")
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole recipe")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",
