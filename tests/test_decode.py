@@ -222,6 +222,25 @@ def test_one_replay_greedy_chain_drafts_what_step_by_step_drafting_does(llama, s
         assert any(key[0] == "greedy_chain" for key in one.drafter._static)
 
 
+def test_one_replay_tree_drafts_what_level_by_level_drafting_does(llama, seqs, drafts):
+    """Static runners draft, prune and mask an EAGLE-2 tree as one function (DraftRunner.tree); the
+    exact path goes level by level through tree.py. Same trees: same tokens and the same acceptance
+    in every round, for greedy and for sampling (the tree's candidates are deterministic)."""
+    accepted = []
+    for name in ("trained", "perturbed"):
+        exact = decode.SpecDecoder(llama, *drafts[name], static_shapes=False, **TREE)
+        one = decode.SpecDecoder(llama, *drafts[name], static_shapes=True, **TREE)
+        for p in prompts(seqs):
+            a, b = exact.generate(p, 32), one.generate(p, 32)
+            assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, (name, p)
+            accepted += b.accepted_per_step
+        hot = SamplingParams(temperature=0.8, top_p=0.9)
+        a, b = exact.generate(prompts(seqs)[0], 24, hot, seed=3), one.generate(prompts(seqs)[0], 24, hot, seed=3)
+        assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, name
+        assert any(key[0] == "tree" for key in one.drafter._static)
+    assert 0 in accepted and max(accepted) == TREE["depth"]  # rejected and fully accepted rounds compared
+
+
 @pytest.mark.parametrize("shape", [dict(mode="chain", K=1), dict(mode="chain", K=9),
                                    dict(mode="tree", depth=1, topk=4, budget=4),
                                    dict(mode="tree", depth=5, topk=2, budget=3),

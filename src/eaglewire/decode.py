@@ -5,7 +5,8 @@ One round (`_step`), after a prefill that ran the target over the prompt and cho
   1. extend the draft with what the target committed last round: the taps of those positions with
      the tokens that follow them (docs/ARCHITECTURE.md "Token alignment");
   2. draft a chain of K tokens, or a tree (top-k children per depth, the best top-k expanded,
-     pruned to `budget` nodes by cumulative log-prob: EAGLE-2);
+     pruned to `budget` nodes by cumulative log-prob: EAGLE-2). With static shapes either is ONE
+     function of the draft runner (one CUDA-graph replay on a GPU), not a host loop over steps;
   3. verify all of it in ONE target forward with the tree attention mask; acceptance.py decides
      (greedy: exact; sampling: lossless);
   4. commit the accepted path in both KV caches (runners.py: slot caches, nothing to roll back).
@@ -221,7 +222,7 @@ class SpecDecoder:
         logits, hidden = d.forward({"ids": next_ids, "taps": taps}, self._positions(d.length, n))
         d.commit(n)
         draft = self._draft_chain if self.spec.mode == "chain" else self._draft_tree
-        tree, q = draft(logits[-1], hidden[-1], d.length - 1, sampling, gen)
+        tree, q, attn = draft(logits[-1], hidden[-1], d.length - 1, sampling, gen)
         d.commit(0)  # the draft's own speculative rows are never kept: the next extend rewrites them
 
         v = self.verifier
@@ -229,8 +230,8 @@ class SpecDecoder:
         if self.spec.mode == "chain":  # a chain's tree mask is causal: the runner's cached block
             logits, taps = v.forward({"ids": ids}, self._positions(v.length, len(ids)))
         else:
-            block, rel = tree_attention(tree, 0, self.spec.levels)  # (1, 1, n+1, n+1), depth offsets
-            logits, taps = v.forward({"ids": ids}, v.length + rel, block[0, 0])
+            block, rel = attn  # (n+1, n+1), depth offsets
+            logits, taps = v.forward({"ids": ids}, v.length + rel, block)
         path, nxt = self._accept(tree, q, logits, sampling, gen)
         rows = [0] + [1 + i for i in path]
         v.commit(rows)
@@ -253,14 +254,14 @@ class SpecDecoder:
 
     # -- drafting ----------------------------------------------------------------------------------
     def _draft_chain(self, logits, hidden, root_pos: int, sampling, gen):
-        """K tokens, each fed back with the draft's own hidden state. Returns (chain, q (K, V) or None):
+        """K tokens, each fed back with the draft's own hidden state. Returns (chain, q (K, V) or None, None):
         greedy takes the draft's argmax; sampling draws from the draft's distribution (its q goes to
         the verifier). Tokens stay on the device: no host sync between draft steps."""
         if sampling.greedy and self.drafter.static:  # the K-1 feedback steps as one replay
             first = self.draft_ids[logits.argmax()].view(1)
             rest = self.drafter.greedy_chain(first, hidden[None], root_pos + 1, self.spec.K - 1) \
                 if self.spec.K > 1 else first[:0]
-            return DraftTree.chain(torch.cat([first, rest])), None
+            return DraftTree.chain(torch.cat([first, rest])), None, None
         tokens, qs = [], []
         for i in range(self.spec.K):
             if i:  # token i-1 at position root_pos + i, seeing the round's earlier draft rows (causal)
@@ -274,13 +275,16 @@ class SpecDecoder:
             tokens.append(self.draft_ids[torch.multinomial(qd, 1, generator=gen)])
             qs.append(torch.zeros(self.vocab, device=self.device).index_copy_(0, self.draft_ids, qd))
         q = torch.stack(qs) if qs else None
-        return DraftTree.chain(torch.cat(tokens)), q
+        return DraftTree.chain(torch.cat(tokens)), q, None
 
     def _draft_tree(self, logits, hidden, root_pos: int, sampling, gen):
         """EAGLE-2: top-k children of each frontier node, the best top-k (cumulative log-prob) form the
         next frontier; `depth` levels, then pruned to `budget`. Candidates are deterministic: the
-        verifier's tree rule needs no q."""
+        verifier's tree rule needs no q. Also returns the verify forward's block and depth offsets."""
         s, d = self.spec, self.drafter
+        if d.static:  # the whole expansion, pruning and mask as one replay
+            tree, block, rel = d.tree(logits, hidden[None], root_pos, s.depth, s.topk, s.budget)
+            return tree, None, (block, rel)
         tree, frontier = DraftTree.empty(self.device), root_frontier(self.device)
         node_hidden = hidden.new_zeros(s.topk + (s.depth - 1) * s.topk * s.topk, hidden.shape[-1])
         cached = torch.zeros(0, dtype=torch.long, device=self.device)  # nodes in the draft cache, in order
@@ -297,7 +301,9 @@ class SpecDecoder:
             node_hidden[frontier] = h
             cached = torch.cat([cached, frontier])
             logp = logits.float().log_softmax(-1)
-        return prune(tree, s.budget, s.depth), None
+        tree = prune(tree, s.budget, s.depth)
+        block, rel = tree_attention(tree, 0, s.depth)
+        return tree, None, (block[0, 0], rel)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _start(self, input_ids, max_new_tokens, sampling, eos_ids, stream, seed):

@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .capture import TapHooks, locate
 from .errors import EaglewireError
 from .taps import TapContract
+from .tree import DraftTree, expand, frontier_attention, prune, root_frontier, tree_attention
 from .targets import cache_kwarg, text_config
 
 
@@ -446,6 +447,66 @@ class DraftRunner(SlotRunner):
         tokens, = st.run()
         self.pending += steps
         return tokens.clone()
+
+    @torch.no_grad()
+    def tree(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, depth: int, topk: int,
+             budget: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
+        """An EAGLE-2 tree drafted, pruned and masked as ONE static function (one compiled graph, one
+        CUDA-graph replay), from the root's draft logits (Vd,) and hidden state (1, H) at `position`.
+        Returns (the pruned tree, its verify block (n+1, n+1), depth offsets (n+1,)): what
+        tree.expand / frontier_attention / prune / tree_attention give step by step. Writes
+        (depth - 1) * topk pending rows, like depth - 1 frontier forwards."""
+        start, rows = self.length + self.pending, (depth - 1) * topk
+        assert self.static and self.kv.layers[0].keys is not None, "an extend forward first (static runner)"
+        assert self.pending == 0 and rows <= self.max_pending and start + rows <= self.book.max_len
+        key = ("tree", depth, topk, budget)
+        if key not in self._static:
+            s, dev = self.book.max_len, self.device
+            inputs = {"logits": torch.zeros(logits.shape[-1], dtype=logits.dtype, device=dev),
+                      "hidden": torch.zeros(1, hidden.shape[-1], dtype=hidden.dtype, device=dev),
+                      "pos": torch.zeros(1, dtype=torch.long, device=dev),
+                      "at": torch.tensor([s - max(rows, 1)], device=dev)}  # capture writes land in scratch slots
+            fn = torch.compile(self._tree, dynamic=False) if self.compiles else self._tree
+            run = (lambda: self._guarded(fn, inputs, depth, topk, budget)) if self.compiles else \
+                (lambda: fn(inputs, depth, topk, budget))
+            self._static[key] = self._make_static(inputs, run)
+        st = self._static[key]
+        st.inputs["logits"].copy_(logits)
+        st.inputs["hidden"].copy_(hidden)
+        st.inputs["pos"].fill_(position)
+        st.inputs["at"].fill_(start)
+        out = tuple(o.clone() for o in st.run())
+        self.pending += rows
+        return DraftTree(*out[:4]), out[4], out[5]
+
+    def _tree(self, feed: dict[str, torch.Tensor], depth: int, topk: int, budget: int) -> tuple[torch.Tensor, ...]:
+        s, dev = self.book.max_len, self.device
+        cols, start = torch.arange(s, device=dev), feed["at"]
+        tree, frontier = DraftTree.empty(dev), root_frontier(dev)
+        node_hidden = feed["hidden"].new_zeros(topk + (depth - 1) * topk * topk, feed["hidden"].shape[-1])
+        cached = torch.zeros(0, dtype=torch.long, device=dev)  # nodes in the cache from `start` on, in order
+        logp = feed["logits"].float().log_softmax(-1)[None]  # (F, Vd), F = 1: the root
+        self.book.view_len = s
+        for level in range(depth):
+            top, idx = logp.topk(topk, dim=-1)  # (F, k)
+            tree, frontier = expand(tree, frontier, self.draft.draft_to_target(idx), top, topk)
+            if level == depth - 1:
+                break
+            parents = tree.parents[frontier]
+            h_in = torch.where((parents < 0)[:, None], feed["hidden"], node_hidden[parents.clamp(min=0)])  # (F, H)
+            block, rel = frontier_attention(tree, frontier, cached, 0, 0, level + 1)  # block over this round's rows
+            w = cached.shape[0] + frontier.shape[0]
+            off = cols - start  # the round's rows sit at start, start + 1, ...; the committed prefix before
+            mask = (cols < start) | (block[0, 0][:, off.clamp(0, w - 1)] & (off >= 0) & (off < w))
+            self.book.slots = start + cached.shape[0] + torch.arange(frontier.shape[0], device=dev)
+            logits, h = self.draft(tree.tokens[frontier][None], h_in[None], (feed["pos"] + rel)[None], cache=self.kv,
+                                   attn_mask=mask[None, None])
+            node_hidden[frontier] = h[0]
+            cached = torch.cat([cached, frontier])
+            logp = logits[0].float().log_softmax(-1)
+        tree = prune(tree, budget, depth)
+        block, rel = tree_attention(tree, 0, depth)
+        return tree.tokens, tree.parents, tree.depth, tree.scores, block[0, 0], rel
 
     def _greedy_chain(self, feed: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
         s = self.book.max_len
