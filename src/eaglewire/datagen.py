@@ -9,6 +9,8 @@ same command resumes from the manifest's position, so a killed run loses and rep
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -134,8 +136,10 @@ def plan_batches(lengths: list[int], gen: GenConfig, static: bool) -> list[Batch
 
 
 @torch.no_grad()
-def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: GenConfig) -> list[str]:
-    """Replies to tokenized prompts: length-sorted, left-padded batches through `model.generate`."""
+def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: GenConfig,
+                     on_batch: Callable[[dict], None] | None = None) -> list[str]:
+    """Replies to tokenized prompts: length-sorted, left-padded batches through `model.generate`.
+    `on_batch` gets one record per batch (shape, steps, seconds): where a regeneration's time goes."""
     from transformers import GenerationConfig
 
     tok, model = target.tokenizer, target.model
@@ -148,6 +152,7 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
     cfg = GenerationConfig(max_new_tokens=gen.max_new_tokens, eos_token_id=stops, pad_token_id=pad, **kw)
     replies: list[str] = [""] * len(prompts_ids)
     for batch in plan_batches([len(p) for p in prompts_ids], gen, static):
+        t = time.perf_counter()
         rows = batch.prompts + batch.prompts[:1] * (batch.rows - len(batch.prompts))
         ids = torch.full((len(rows), batch.width), pad, dtype=torch.long)  # (B, L), left-padded
         mask = torch.zeros_like(ids)
@@ -161,11 +166,14 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
             new = out[r, batch.width:].tolist()
             cut = next((i for i, t in enumerate(new) if t in stops), len(new))
             replies[k] = tok.decode(new[:cut], skip_special_tokens=True).strip()
+        if on_batch is not None:
+            on_batch({"width": batch.width, "rows": batch.rows, "prompts": len(batch.prompts),
+                      "steps": out.shape[1] - batch.width, "seconds": round(time.perf_counter() - t, 3)})
     return replies
 
 
-def regenerate(target: targets.Target, convs: list[list[dict]], gen: GenConfig, max_len: int
-               ) -> list[list[dict] | prompts.Skip]:
+def regenerate(target: targets.Target, convs: list[list[dict]], gen: GenConfig, max_len: int,
+               on_batch: Callable[[dict], None] | None = None) -> list[list[dict] | prompts.Skip]:
     """Each conversation with its assistant turns rewritten by the target, turn by turn.
 
     Turn t of every conversation is generated in one batched pass, after the target's own replies
@@ -196,7 +204,8 @@ def regenerate(target: targets.Target, convs: list[list[dict]], gen: GenConfig, 
                 continue
             todo.append((k, msgs))
             ids.append(p)
-        for (k, msgs), reply in zip(todo, generate_batched(target, ids, gen)):
+        tell = None if on_batch is None else lambda b, turn=t + 1: on_batch({"turn": turn, **b})
+        for (k, msgs), reply in zip(todo, generate_batched(target, ids, gen, tell)):
             out[k] = msgs + [{"role": "assistant", "content": reply}]
     return [c if isinstance(c, prompts.Skip) or any(m["role"] == "assistant" for m in c)
             else prompts.Skip("prompt longer than --max-len") for c in out]
