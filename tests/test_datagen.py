@@ -172,6 +172,32 @@ def test_static_cache_regeneration_matches_dynamic(llama, monkeypatch):
         regenerate(llama, convs, GenConfig(max_new_tokens=6, batch_size=1, cache="dynamic"), max_len=256)
 
 
+def test_the_target_writes_its_own_prompts(llama):
+    """Magpie-style prompts: sampled after the template's user header (SmolLM2's ChatML with its
+    default system prompt), cut at the end of the turn, distinct, at least MIN_PROMPT_WORDS words."""
+    from eaglewire.chat import user_header
+
+    header = user_header(llama.tokenizer)
+    assert header.startswith("<|im_start|>system\n") and header.endswith("<|im_end|>\n<|im_start|>user\n")
+    torch.manual_seed(0)
+    written = datagen.self_prompts(llama, 12, GenConfig(max_new_tokens=12, temperature=1.0, batch_size=12))
+    assert 0 < len(written) <= 12 and len(set(written)) == len(written)
+    assert all(len(p.split()) >= datagen.MIN_PROMPT_WORDS and "<|im_end|>" not in p for p in written)
+    with pytest.raises(EaglewireError, match="temperature > 0"):
+        datagen.self_prompts(llama, 4, GenConfig(max_new_tokens=4))
+
+
+def test_user_header_needs_a_template_that_keeps_the_text(llama, monkeypatch):
+    from eaglewire.chat import user_header
+
+    class Upper:  # a template that rewrites what the user wrote
+        def apply_chat_template(self, messages, **kw):
+            return "".join(f"<{m['role']}>{m['content'].upper()}" for m in messages)
+
+    with pytest.raises(EaglewireError, match="does not place a user message's text verbatim"):
+        user_header(Upper())
+
+
 def test_max_samples_grows_and_overlong_policies(llama, tmp_path):
     p = sharegpt_file(tmp_path / "p.jsonl", 8)
     m = run_datagen(llama, p, tmp_path / "out", CONTRACT, max_samples=3, shard_size=2, progress=False)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eaglewire import cli, recipes
+from eaglewire.cli import build_parser
 from eaglewire.checkpoint import load_draft
 from eaglewire.errors import UsageError
 
@@ -23,6 +24,11 @@ def one_thread():
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     return make_target(tmp_path_factory.mktemp("recipes") / "target")
+
+
+def recipe_args(*argv):
+    """`eaglewire recipe ...` parsed by the real command line (any --out)."""
+    return build_parser().parse_args(["recipe", *argv, "--out", "unused"])
 
 
 def sharegpt(path):
@@ -93,9 +99,9 @@ def test_demo_recipe_runs_every_stage_through_the_cli(target_dir, tmp_path, caps
 
 def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     prompts = sharegpt(tmp_path / "sg.json")
-    recipe = recipes._override(recipes.RECIPES["full"], type("A", (), dict(
-        set=["epochs=1", "batch_tokens=1024", "max_len=256", "eval_fraction=0.2"], max_new_tokens=10,
-        gen_batch_size=8, gen_batch_tokens=None, gen_cache=None, max_prompts=None, budget_s=600.0, mode=None, turns=2))())
+    recipe = recipes._override(recipes.RECIPES["full"], recipe_args(
+        "full", "--set", "epochs=1", "--set", "batch_tokens=1024", "--set", "max_len=256", "--set", "eval_fraction=0.2",
+        "--max-new-tokens", "10", "--gen-batch-size", "8", "--budget-s", "600", "--turns", "2", "--self-prompts", "6"))
     report = recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts,
                                 device="cpu", progress=False)
     assert report["mode"] == "online" and "datagen" not in report["stages_s"]
@@ -107,6 +113,11 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant"]
     assert first[2]["content"] == "Another?" and report["regenerated"]["replies"] == report["regenerated"][
         "conversations"] + 1
+    written = report["prompts"]["self_written"]  # prompts the target wrote itself, answered like the others
+    assert written["asked"] == 6 and 0 < written["kept"] <= 6
+    asked = [json.loads(line)["messages"] for line in open(tmp_path / "full" / "prompts.jsonl")]
+    assert len(asked) == report["prompts"]["used"] + written["kept"]
+    assert all(len(c) == 1 and len(c[0]["content"].split()) >= 3 for c in asked[-written["kept"]:])
     batches = report["regenerated"]["batches"]  # where regeneration's time went, batch by batch
     assert {b["turn"] for b in batches} == {1, 2} and all(b["rows"] <= 8 and 0 < b["steps"] <= 10 for b in batches)
     assert sum(b["prompts"] for b in batches) == report["regenerated"]["replies"]
@@ -115,14 +126,12 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
 
 
 def test_set_refuses_unknown_fields():
-    args = type("A", (), dict(set=["epochz=3"], max_new_tokens=None, gen_batch_size=None, gen_batch_tokens=None, gen_cache=None, max_prompts=None,
-                              budget_s=None, mode=None, turns=None))()
+    args = recipe_args("demo", "--set", "epochz=3")
     with pytest.raises(UsageError, match="expected FIELD=VALUE with a training field"):
         recipes._override(recipes.RECIPES["demo"], args)
 
 
 def test_turns_must_keep_a_user_turn():
-    args = type("A", (), dict(set=None, max_new_tokens=None, gen_batch_size=None, gen_batch_tokens=None, gen_cache=None, max_prompts=None, budget_s=None,
-                              mode=None, turns=0))()
+    args = recipe_args("full", "--turns", "0")
     with pytest.raises(UsageError, match="--turns 0: keep at least 1 user turn"):
         recipes._override(recipes.RECIPES["full"], args)

@@ -52,6 +52,18 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False)
     return out
 
 
+def user_header(tokenizer) -> str:
+    """The rendering of a conversation up to where its first user message's text begins (the system
+    prompt the template adds by default, then the user turn's opening): what a model continues to
+    write a user prompt itself."""
+    mark = "\u2063eaglewire-user\u2063"
+    text = render(tokenizer, [{"role": "user", "content": mark}])
+    if text.count(mark) != 1:
+        raise UsageError("the chat template does not place a user message's text verbatim, so the start of a user "
+                         "turn cannot be found; self-written prompts need it (leave --self-prompts at 0)")
+    return text[:text.index(mark)]
+
+
 def special_ids(tokenizer) -> set[int]:
     """Ids of special tokens: the end-of-turn markers are among them."""
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])

