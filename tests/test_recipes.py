@@ -120,6 +120,7 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     assert all(len(c) == 1 and len(c[0]["content"].split()) >= 3 for c in asked[-written["kept"]:])
     batches = report["regenerated"]["batches"]  # where regeneration's time went, batch by batch
     assert {b["turn"] for b in batches} == {1, 2} and all(b["rows"] <= 8 and 0 < b["steps"] <= 10 for b in batches)
+    assert all(b["compiled"] == 0 for b in batches)  # a CPU runs transformers' generate uncompiled
     assert sum(b["prompts"] for b in batches) == report["regenerated"]["replies"]
     with pytest.raises(UsageError, match="not empty"):
         recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts, device="cpu")

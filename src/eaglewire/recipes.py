@@ -193,7 +193,8 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
         batches.append(b)
         if progress:
             print(f"eaglewire recipe {recipe.name}: regenerate turn {b['turn']}: {b['prompts']} prompts "
-                  f"({b['rows']} rows x {b['width']} + {b['steps']} tokens) in {b['seconds']:.1f} s", file=sys.stderr)
+                  f"({b['rows']} rows x {b['width']} + {b['steps']} tokens) in {b['seconds']:.1f} s"
+                  + (f", {b['compiled']} graph(s) compiled" if b["compiled"] else ""), file=sys.stderr)
 
     regen = datagen.regenerate(tgt, convs, recipe.gen, recipe.max_len, on_batch=on_batch)
     kept = [c for c in regen if not isinstance(c, prompts.Skip)]
