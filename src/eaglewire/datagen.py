@@ -140,6 +140,7 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
                      on_batch: Callable[[dict], None] | None = None) -> list[str]:
     """Replies to tokenized prompts: length-sorted, left-padded batches through `model.generate`.
     `on_batch` gets one record per batch (shape, steps, seconds): where a regeneration's time goes."""
+    from torch._dynamo.utils import counters  # graphs compiled per batch: a first shape compiles (seconds)
     from transformers import GenerationConfig
 
     tok, model = target.tokenizer, target.model
@@ -151,10 +152,8 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
         kw["cache_implementation"] = "static"
     cfg = GenerationConfig(max_new_tokens=gen.max_new_tokens, eos_token_id=stops, pad_token_id=pad, **kw)
     replies: list[str] = [""] * len(prompts_ids)
-    from torch._dynamo.utils import counters  # graphs compiled per batch: a first shape compiles (seconds)
-
     for batch in plan_batches([len(p) for p in prompts_ids], gen, static):
-        t, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
+        t0, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
         rows = batch.prompts + batch.prompts[:1] * (batch.rows - len(batch.prompts))
         ids = torch.full((len(rows), batch.width), pad, dtype=torch.long)  # (B, L), left-padded
         mask = torch.zeros_like(ids)
@@ -170,7 +169,7 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
             replies[k] = tok.decode(new[:cut], skip_special_tokens=True).strip()
         if on_batch is not None:
             on_batch({"width": batch.width, "rows": batch.rows, "prompts": len(batch.prompts),
-                      "steps": out.shape[1] - batch.width, "seconds": round(time.perf_counter() - t, 3),
+                      "steps": out.shape[1] - batch.width, "seconds": round(time.perf_counter() - t0, 3),
                       "compiled": counters["stats"]["unique_graphs"] - graphs})
     return replies
 
