@@ -29,7 +29,7 @@ from .acceptance import (SamplingParams, logits_to_probs, verify_chain_greedy, v
 from .errors import UsageError
 from .runners import DraftRunner, TargetRunner
 from .targets import compare_fingerprints
-from .tree import DraftTree, expand, frontier_attention, prune, root_frontier, tree_attention
+from .tree import DraftTree, grow, prune, tree_attention
 
 MODES = ("chain", "tree")
 PLAIN_AHEAD = 8  # plain decoding on CUDA: steps queued between read-backs (generate_plain)
@@ -285,22 +285,11 @@ class SpecDecoder:
         if d.static:  # the whole expansion, pruning and mask as one replay
             tree, block, rel = d.tree(logits, hidden[None], root_pos, s.depth, s.topk, s.budget)
             return tree, None, (block, rel)
-        tree, frontier = DraftTree.empty(self.device), root_frontier(self.device)
-        node_hidden = hidden.new_zeros(s.topk + (s.depth - 1) * s.topk * s.topk, hidden.shape[-1])
-        cached = torch.zeros(0, dtype=torch.long, device=self.device)  # nodes in the draft cache, in order
-        logp = logits.float().log_softmax(-1)[None]  # (F, Vd), F = 1: the root
-        for level in range(s.depth):
-            top, idx = logp.topk(s.topk, dim=-1)  # (F, k)
-            tree, frontier = expand(tree, frontier, self.draft_ids[idx], top, s.topk)
-            if level == s.depth - 1:
-                break
-            parents = tree.parents[frontier]
-            h_in = torch.where((parents < 0)[:, None], hidden, node_hidden[parents.clamp(min=0)])  # (F, H)
-            mask, pos = frontier_attention(tree, frontier, cached, 0, root_pos, level + 1)
-            logits, h = d.forward({"ids": tree.tokens[frontier], "hidden": h_in}, pos, mask[0, 0])
-            node_hidden[frontier] = h
-            cached = torch.cat([cached, frontier])
-            logp = logits.float().log_softmax(-1)
+
+        def forward(tokens, h_in, block, rel):
+            return d.forward({"ids": tokens, "hidden": h_in}, root_pos + rel, block)
+
+        tree = grow(logits, hidden, s.depth, s.topk, self.draft.draft_to_target, forward)
         tree = prune(tree, s.budget, s.depth)
         block, rel = tree_attention(tree, 0, s.depth)
         return tree, None, (block[0, 0], rel)

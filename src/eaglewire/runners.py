@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .capture import TapHooks, locate
 from .errors import EaglewireError
 from .taps import TapContract
-from .tree import DraftTree, expand, frontier_attention, prune, root_frontier, tree_attention
+from .tree import DraftTree, grow, prune, tree_attention
 from .targets import cache_kwarg, text_config
 
 
@@ -480,30 +480,17 @@ class DraftRunner(SlotRunner):
         return DraftTree(*out[:4]), out[4], out[5]
 
     def _tree(self, feed: dict[str, torch.Tensor], depth: int, topk: int, budget: int) -> tuple[torch.Tensor, ...]:
-        s, dev = self.book.max_len, self.device
-        cols, start = torch.arange(s, device=dev), feed["at"]
-        tree, frontier = DraftTree.empty(dev), root_frontier(dev)
-        node_hidden = feed["hidden"].new_zeros(topk + (depth - 1) * topk * topk, feed["hidden"].shape[-1])
-        cached = torch.zeros(0, dtype=torch.long, device=dev)  # nodes in the cache from `start` on, in order
-        logp = feed["logits"].float().log_softmax(-1)[None]  # (F, Vd), F = 1: the root
+        s, dev, start = self.book.max_len, self.device, feed["at"]
         self.book.view_len = s
-        for level in range(depth):
-            top, idx = logp.topk(topk, dim=-1)  # (F, k)
-            tree, frontier = expand(tree, frontier, self.draft.draft_to_target(idx), top, topk)
-            if level == depth - 1:
-                break
-            parents = tree.parents[frontier]
-            h_in = torch.where((parents < 0)[:, None], feed["hidden"], node_hidden[parents.clamp(min=0)])  # (F, H)
-            block, rel = frontier_attention(tree, frontier, cached, 0, 0, level + 1)  # block over this round's rows
-            w = cached.shape[0] + frontier.shape[0]
-            off = cols - start  # the round's rows sit at start, start + 1, ...; the committed prefix before
-            mask = (cols < start) | (block[0, 0][:, off.clamp(0, w - 1)] & (off >= 0) & (off < w))
-            self.book.slots = start + cached.shape[0] + torch.arange(frontier.shape[0], device=dev)
-            logits, h = self.draft(tree.tokens[frontier][None], h_in[None], (feed["pos"] + rel)[None], cache=self.kv,
-                                   attn_mask=mask[None, None])
-            node_hidden[frontier] = h[0]
-            cached = torch.cat([cached, frontier])
-            logp = logits[0].float().log_softmax(-1)
+
+        def forward(tokens, h_in, block, rel):  # the round's rows from `start` on, the committed prefix before
+            f = tokens.shape[0]
+            self.book.slots = start + block.shape[1] - f + torch.arange(f, device=dev)
+            logits, h = self.draft(tokens[None], h_in[None], (feed["pos"] + rel)[None], cache=self.kv,
+                                   attn_mask=self._mask(block, start, s))
+            return logits[0], h[0]
+
+        tree = grow(feed["logits"], feed["hidden"][0], depth, topk, self.draft.draft_to_target, forward)
         tree = prune(tree, budget, depth)
         block, rel = tree_attention(tree, 0, depth)
         return tree.tokens, tree.parents, tree.depth, tree.scores, block[0, 0], rel

@@ -17,6 +17,8 @@ The EAGLE-2 draft loop (SafeAILab/EAGLE eagle/model/cnets.py `topK_genrate`), wi
         tree, frontier = expand(tree, frontier, top-k of each frontier node, topk)
     tree = prune(tree, budget)  # then ONE target forward over [root] + tree.tokens, tree_attention()
 
+`grow` is that loop, with the draft forward passed in.
+
 A chain of K draft tokens is the tree `DraftTree.chain(tokens)` (each node the only child of the
 previous one); every function here treats it as any other tree.
 """
@@ -117,6 +119,37 @@ def expand(tree: DraftTree, frontier: torch.Tensor, cand_tokens: torch.Tensor, c
     )
     best = torch.sort(-scores, stable=True).indices[:topk]  # stable: ties go to the lower index
     return grown, tree.num_nodes + best
+
+
+def grow(root_logits: torch.Tensor, root_hidden: torch.Tensor, depth: int, topk: int, to_target, forward
+         ) -> DraftTree:
+    """The EAGLE-2 draft loop: top-k children of each frontier node, the best top-k (cumulative
+    log-prob) form the next frontier, `depth` levels (not pruned).
+
+    root_logits (Vd,) and root_hidden (H,): the draft's output at the root. to_target maps draft
+    ids to target ids. forward(tokens (F,), hidden (F, H), block (F, C+F) bool, depth (F,)) runs
+    the draft on a frontier and returns (logits (F, Vd), hidden (F, H)); block is what each row
+    sees of this round's rows (the C earlier frontiers' nodes in order, then its own), depth its
+    distance from the root. Static shapes throughout, no host sync: it can run inside a graph.
+    """
+    dev = root_logits.device
+    tree, frontier = DraftTree.empty(dev), root_frontier(dev)
+    node_hidden = root_hidden.new_zeros(topk + (depth - 1) * topk * topk, root_hidden.shape[-1])
+    cached = torch.zeros(0, dtype=torch.long, device=dev)  # nodes the draft has run on, in order
+    logp = root_logits.float().log_softmax(-1)[None]  # (F, Vd), F = 1: the root
+    for level in range(depth):
+        top, idx = logp.topk(topk, dim=-1)  # (F, k)
+        tree, frontier = expand(tree, frontier, to_target(idx), top, topk)
+        if level == depth - 1:
+            break
+        parents = tree.parents[frontier]
+        h_in = torch.where((parents < 0)[:, None], root_hidden, node_hidden[parents.clamp(min=0)])  # (F, H)
+        block, rel = frontier_attention(tree, frontier, cached, 0, 0, level + 1)
+        logits, h = forward(tree.tokens[frontier], h_in, block[0, 0], rel)
+        node_hidden[frontier] = h
+        cached = torch.cat([cached, frontier])
+        logp = logits.float().log_softmax(-1)
+    return tree
 
 
 def ancestor_table(tree: DraftTree, max_depth: int | None = None) -> torch.Tensor:
