@@ -209,27 +209,17 @@ def test_greedy_equals_target_greedy(llama, seqs, drafts, shape, static):
     assert 1.3 < (sum(accepted) + len(accepted)) / len(accepted) < levels + 1
 
 
-def test_one_replay_greedy_chain_drafts_what_step_by_step_drafting_does(llama, seqs, drafts):
-    """Static runners draft a greedy chain as one function (DraftRunner.greedy_chain); the exact path
-    drafts step by step. Greedy output equality cannot see a wrong draft token (the verifier only
-    rejects it), the acceptance of every round can."""
-    for name in ("trained", "perturbed"):
-        exact = decode.SpecDecoder(llama, *drafts[name], static_shapes=False, **CHAIN)
-        one = decode.SpecDecoder(llama, *drafts[name], static_shapes=True, **CHAIN)
-        for p in prompts(seqs):
-            a, b = exact.generate(p, 32), one.generate(p, 32)
-            assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, (name, p)
-        assert any(key[0] == "greedy_chain" for key in one.drafter._static)
-
-
-def test_one_replay_tree_drafts_what_level_by_level_drafting_does(llama, seqs, drafts):
-    """Static runners draft, prune and mask an EAGLE-2 tree as one function (DraftRunner.tree); the
-    exact path goes level by level through tree.py. Same trees: same tokens and the same acceptance
-    in every round, for greedy and for sampling (the tree's candidates are deterministic)."""
+@pytest.mark.parametrize("shape, key", [(CHAIN, "greedy_chain"), (TREE, "tree")], ids=["chain", "tree"])
+def test_one_replay_drafting_drafts_what_step_by_step_drafting_does(llama, seqs, drafts, shape, key):
+    """Static runners draft a greedy chain (DraftRunner.greedy_chain), or expand, prune and mask a
+    tree (DraftRunner.tree), as one function; the exact path goes step by step. Greedy output
+    equality cannot see a wrong draft token (the verifier only rejects it), the acceptance of every
+    round can. Sampling too (a tree's candidates are deterministic; a sampled chain is drawn step
+    by step on both paths)."""
     accepted = []
     for name in ("trained", "perturbed"):
-        exact = decode.SpecDecoder(llama, *drafts[name], static_shapes=False, **TREE)
-        one = decode.SpecDecoder(llama, *drafts[name], static_shapes=True, **TREE)
+        exact = decode.SpecDecoder(llama, *drafts[name], static_shapes=False, **shape)
+        one = decode.SpecDecoder(llama, *drafts[name], static_shapes=True, **shape)
         for p in prompts(seqs):
             a, b = exact.generate(p, 32), one.generate(p, 32)
             assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, (name, p)
@@ -237,8 +227,8 @@ def test_one_replay_tree_drafts_what_level_by_level_drafting_does(llama, seqs, d
         hot = SamplingParams(temperature=0.8, top_p=0.9)
         a, b = exact.generate(prompts(seqs)[0], 24, hot, seed=3), one.generate(prompts(seqs)[0], 24, hot, seed=3)
         assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, name
-        assert any(key[0] == "tree" for key in one.drafter._static)
-    assert 0 in accepted and max(accepted) == TREE["depth"]  # rejected and fully accepted rounds compared
+        assert any(k[0] == key for k in one.drafter._static)
+    assert 0 in accepted and max(accepted) == (shape.get("K") or shape["depth"])  # rejections and full rounds
 
 
 @pytest.mark.parametrize("shape", [dict(mode="chain", K=1), dict(mode="chain", K=9),

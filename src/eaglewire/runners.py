@@ -417,6 +417,26 @@ class DraftRunner(SlotRunner):
         hidden = self.draft.fuse(inputs["taps"]) if "taps" in inputs else inputs["hidden"]
         return self.draft(inputs["ids"], hidden, pos, cache=self.kv, attn_mask=mask)
 
+    def _one_function(self, key: tuple, fn, *args, root: torch.Tensor, hidden: torch.Tensor, position: int,
+                      start: int, scratch: int) -> _Static:
+        """fn(inputs, *args) over fixed buffers {root, hidden (1, H), pos (1,), at (1,) = first slot
+        written}, compiled if the runner compiles, made once per key; the buffers filled for this call.
+        The capture's writes land in the last `scratch` slots."""
+        if key not in self._static:
+            s, dev = self.book.max_len, self.device
+            inputs = {"root": torch.zeros_like(root, device=dev), "hidden": torch.zeros_like(hidden, device=dev),
+                      "pos": torch.zeros(1, dtype=torch.long, device=dev), "at": torch.tensor([s - scratch], device=dev)}
+            compiled = torch.compile(fn, dynamic=False) if self.compiles else None
+            run = (lambda: self._guarded(compiled, inputs, *args)) if compiled is not None else \
+                (lambda: fn(inputs, *args))
+            self._static[key] = self._make_static(inputs, run)
+        st = self._static[key]
+        st.inputs["root"].copy_(root)
+        st.inputs["hidden"].copy_(hidden)
+        st.inputs["pos"].fill_(position)
+        st.inputs["at"].fill_(start)
+        return st
+
     @torch.no_grad()
     def greedy_chain(self, token: torch.Tensor, hidden: torch.Tensor, position: int, steps: int) -> torch.Tensor:
         """`steps` greedy draft steps as ONE static function (one compiled graph, one CUDA-graph
@@ -426,24 +446,8 @@ class DraftRunner(SlotRunner):
         start = self.length + self.pending
         assert self.static and self.kv.layers[0].keys is not None, "an extend forward first (static runner)"
         assert self.pending + steps <= self.max_pending + max(self.sizes) and start + steps <= self.book.max_len
-        key = ("greedy_chain", steps)
-        if key not in self._static:
-            s, dev = self.book.max_len, self.device
-            inputs = {"ids": torch.zeros(1, dtype=torch.long, device=dev),
-                      "hidden": torch.zeros(1, hidden.shape[-1], dtype=hidden.dtype, device=dev),
-                      "pos": torch.zeros(1, dtype=torch.long, device=dev),
-                      "at": torch.tensor([s - steps], device=dev)}  # capture writes land in scratch slots
-            if self.compiles:
-                compiled = torch.compile(self._greedy_chain, dynamic=False)
-                fn = lambda: (self._guarded(compiled, inputs, steps),)  # noqa: E731
-            else:
-                fn = lambda: (self._greedy_chain(inputs, steps),)  # noqa: E731
-            self._static[key] = self._make_static(inputs, fn)
-        st = self._static[key]
-        st.inputs["ids"].copy_(token)
-        st.inputs["hidden"].copy_(hidden)
-        st.inputs["pos"].fill_(position)
-        st.inputs["at"].fill_(start)
+        st = self._one_function(("greedy_chain", steps), self._greedy_chain, steps, root=token, hidden=hidden,
+                                position=position, start=start, scratch=steps)
         tokens, = st.run()
         self.pending += steps
         return tokens.clone()
@@ -459,22 +463,8 @@ class DraftRunner(SlotRunner):
         start, rows = self.length + self.pending, (depth - 1) * topk
         assert self.static and self.kv.layers[0].keys is not None, "an extend forward first (static runner)"
         assert self.pending == 0 and rows <= self.max_pending and start + rows <= self.book.max_len
-        key = ("tree", depth, topk, budget)
-        if key not in self._static:
-            s, dev = self.book.max_len, self.device
-            inputs = {"logits": torch.zeros(logits.shape[-1], dtype=logits.dtype, device=dev),
-                      "hidden": torch.zeros(1, hidden.shape[-1], dtype=hidden.dtype, device=dev),
-                      "pos": torch.zeros(1, dtype=torch.long, device=dev),
-                      "at": torch.tensor([s - max(rows, 1)], device=dev)}  # capture writes land in scratch slots
-            fn = torch.compile(self._tree, dynamic=False) if self.compiles else self._tree
-            run = (lambda: self._guarded(fn, inputs, depth, topk, budget)) if self.compiles else \
-                (lambda: fn(inputs, depth, topk, budget))
-            self._static[key] = self._make_static(inputs, run)
-        st = self._static[key]
-        st.inputs["logits"].copy_(logits)
-        st.inputs["hidden"].copy_(hidden)
-        st.inputs["pos"].fill_(position)
-        st.inputs["at"].fill_(start)
+        st = self._one_function(("tree", depth, topk, budget), self._tree, depth, topk, budget, root=logits,
+                                hidden=hidden, position=position, start=start, scratch=max(rows, 1))
         out = tuple(o.clone() for o in st.run())
         self.pending += rows
         return DraftTree(*out[:4]), out[4], out[5]
@@ -490,15 +480,15 @@ class DraftRunner(SlotRunner):
                                    attn_mask=self._mask(block, start, s))
             return logits[0], h[0]
 
-        tree = grow(feed["logits"], feed["hidden"][0], depth, topk, self.draft.draft_to_target, forward)
+        tree = grow(feed["root"], feed["hidden"][0], depth, topk, self.draft.draft_to_target, forward)
         tree = prune(tree, budget, depth)
         block, rel = tree_attention(tree, 0, depth)
         return tree.tokens, tree.parents, tree.depth, tree.scores, block[0, 0], rel
 
-    def _greedy_chain(self, feed: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
+    def _greedy_chain(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
         s = self.book.max_len
         cols = torch.arange(s, device=self.device)
-        ids, hidden, out = feed["ids"], feed["hidden"], []
+        ids, hidden, out = feed["root"], feed["hidden"], []
         self.book.view_len = s
         for i in range(steps):
             slot = feed["at"] + i
@@ -508,4 +498,4 @@ class DraftRunner(SlotRunner):
             ids = self.draft.draft_to_target(logits[0, -1].argmax()).view(1)
             hidden = h[0]
             out.append(ids)
-        return torch.cat(out)
+        return (torch.cat(out),)
