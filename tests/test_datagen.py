@@ -172,6 +172,72 @@ def test_static_cache_regeneration_matches_dynamic(llama, monkeypatch):
         regenerate(llama, convs, GenConfig(max_new_tokens=6, batch_size=1, cache="dynamic"), max_len=256)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_slots_engine_regenerates_what_hf_generate_does(llama, tmp_path, monkeypatch, family):
+    """batchgen.py (left-padded rows over a slot cache, grouped-query attention; CUDA graphs on a GPU)
+    against transformers' generate, greedy, fp32: the same replies, filler rows and several widths."""
+    monkeypatch.setattr(datagen, "STATIC_WIDTH_STEP", 16)
+    target = llama if family == "llama" else targets.load_target(str(make_target(tmp_path, family)), device="cpu")
+    convs = [[{"role": "user", "content": "Hi"}],
+             [{"role": "user", "content": "A much longer question, with many more words in it than the others."}],
+             [{"role": "user", "content": "Why is the sky blue?"}], [{"role": "user", "content": "Name a prime."}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]]
+    slots = GenConfig(max_new_tokens=7, batch_size=2, batch_tokens=120, engine="slots")
+    hf = GenConfig(max_new_tokens=7, batch_size=1, cache="dynamic")
+    log = []
+    assert regenerate(target, convs, slots, max_len=256, on_batch=log.append) == regenerate(target, convs, hf,
+                                                                                            max_len=256)
+    assert any(b["rows"] > b["prompts"] for b in log) and len({b["width"] for b in log}) > 1
+    sampled = GenConfig(max_new_tokens=7, batch_size=2, temperature=1.0, engine="slots")
+    torch.manual_seed(0)
+    first = regenerate(target, convs, sampled, max_len=256)
+    torch.manual_seed(0)
+    assert regenerate(target, convs, sampled, max_len=256) == first  # seeded like generate
+
+
+def test_slots_step_never_reads_the_device(llama):
+    """The decode step is captured in a CUDA graph on a GPU: no host read-back inside (make_fx
+    refuses `aten._local_scalar_dense`), checked here on a CPU with its inputs as tracing tensors."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from eaglewire.batchgen import BatchGenerator
+
+    gen = BatchGenerator(llama.model, rows=2, width=4, max_new=3, cuda_graphs=False)
+    gen.prefill(torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]]), torch.tensor([1, 0]))
+    keys = sorted(gen.inputs)
+
+    def step(*values):
+        saved = dict(gen.inputs)
+        gen.inputs.update(zip(keys, values))
+        try:
+            return gen._step()
+        finally:
+            gen.inputs.update(saved)
+
+    gen.inputs["at"].fill_(4)
+    make_fx(step)(*[gen.inputs[k] for k in keys])
+
+
+def test_grouped_query_attention_equals_repeated_kv():
+    from eaglewire.batchgen import gqa_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    mask = torch.where(torch.rand(2, 1, 5, 9) < 0.7, 0.0, torch.finfo(torch.float32).min)
+    mask[..., 0] = 0.0  # every row sees something
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                           attn_mask=mask, scale=0.3)
+    out, _ = gqa_attention(None, q, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_slots_engine_refuses_what_it_cannot_run(llama, monkeypatch):
+    with pytest.raises(EaglewireError, match="--gen-engine must be hf or slots"):
+        GenConfig(engine="vllm")
+    monkeypatch.setattr(datagen.batchgen, "SUPPORTED", {"qwen3"})  # as for a model outside the family list
+    with pytest.raises(EaglewireError, match="this one is llama: use --gen-engine hf"):
+        generate_batched(llama, [[1, 2, 3]], GenConfig(max_new_tokens=2, engine="slots"))
+
+
 def test_the_target_writes_its_own_prompts(llama):
     """Magpie-style prompts: sampled after the template's user header (SmolLM2's ChatML with its
     default system prompt), cut at the end of the turn, distinct, at least MIN_PROMPT_WORDS words."""

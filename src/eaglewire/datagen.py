@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from . import chat, prompts, shards, targets
+from . import batchgen, chat, prompts, shards, targets
+from .acceptance import SamplingParams, logits_to_probs
 from .capture import capture, locate
 from .errors import EaglewireError, UsageError
 from .taps import TapContract
@@ -33,6 +34,7 @@ class GenConfig:
     # prompt + reply tokens per generate call: long prompts get fewer rows (the KV cache is what fills memory)
     batch_tokens: int | None = None
     cache: str = "auto"  # "static" (transformers compiles its decode step on CUDA), "dynamic"; auto: static on CUDA
+    engine: str = "hf"  # "hf": transformers generate; "slots": batchgen.py (CUDA graphs, grouped-query attention)
     seed: int = 0  # sampling is seeded per chunk, so a resumed run writes what an unbroken one would
 
     def __post_init__(self):
@@ -49,6 +51,8 @@ class GenConfig:
                              f"--max-new-tokens {self.max_new_tokens}")
         if self.cache not in ("auto", "static", "dynamic"):
             raise UsageError(f"--gen-cache must be auto, static or dynamic, got {self.cache!r}")
+        if self.engine not in ("hf", "slots"):
+            raise UsageError(f"--gen-engine must be hf or slots, got {self.engine!r}")
 
     def static(self, device: torch.device) -> bool:
         return self.cache == "static" or (self.cache == "auto" and device.type == "cuda")
@@ -82,7 +86,7 @@ class DatagenConfig:
         out = {"regen": self.regen, "max_len": self.max_len, "overlong": self.overlong}
         if self.regen:
             out["generation"] = {k: v for k, v in asdict(self.gen).items()
-                                 if k not in ("batch_size", "batch_tokens", "cache")}
+                                 if k not in ("batch_size", "batch_tokens", "cache", "engine")}
         return out
 
 
@@ -147,10 +151,19 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
     stops, pad = stop_ids(target), pad_id(tok)
     kw = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} if gen.temperature > 0 else \
         {"do_sample": False}
-    static = gen.static(torch.device(target.device))
-    if static:
+    device = torch.device(target.device)
+    slots = gen.engine == "slots"
+    if slots and not batchgen.supports(model):
+        raise UsageError(f"--gen-engine slots runs {sorted(batchgen.SUPPORTED)} targets (grouped K/V heads), this one "
+                         f"is {model.config.model_type}: use --gen-engine hf")
+    static = slots or gen.static(device)  # both want few shapes: one graph (or compiled step) per width
+    if static and not slots:
         kw["cache_implementation"] = "static"
     cfg = GenerationConfig(max_new_tokens=gen.max_new_tokens, eos_token_id=stops, pad_token_id=pad, **kw)
+    sampling = SamplingParams(temperature=gen.temperature, top_p=gen.top_p)
+    choose = (lambda logits: logits.argmax(-1)) if sampling.greedy else \
+        (lambda logits: torch.multinomial(logits_to_probs(logits, sampling), 1).squeeze(1))
+    engine = None  # slots: one batch shape's generator (its KV cache and graph) at a time
     replies: list[str] = [""] * len(prompts_ids)
     for batch in plan_batches([len(p) for p in prompts_ids], gen, static):
         t0, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
@@ -161,8 +174,16 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
             n = len(prompts_ids[k])
             ids[r, batch.width - n:] = torch.tensor(prompts_ids[k])
             mask[r, batch.width - n:] = 1
-        out = model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
-                             generation_config=cfg)
+        if slots:
+            if engine is None or (engine.rows, engine.width) != (batch.rows, batch.width):
+                engine = None  # frees the last shape's cache before the next is made
+                engine = batchgen.BatchGenerator(model, batch.rows, batch.width, gen.max_new_tokens,
+                                                 cuda_graphs=device.type == "cuda")
+            ids = ids.to(device)
+            new = batchgen.generate(engine, ids, (mask == 0).sum(1).to(device), stops, choose)
+            out = torch.cat([ids, new], 1)  # generate's layout: prompt then new tokens
+        else:
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=cfg)
         for r, k in enumerate(batch.prompts):
             new = out[r, batch.width:].tolist()
             cut = next((i for i, t in enumerate(new) if t in stops), len(new))
@@ -384,6 +405,7 @@ def cmd_datagen(args) -> int:
         raise UsageError(f"--prompts {path}: the file is empty")
     gen = GenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     batch_size=args.gen_batch_size, batch_tokens=args.gen_batch_tokens, cache=args.gen_cache,
+                    engine=args.gen_engine,
                     seed=args.seed)
     options = dict(regen=args.regen, max_samples=args.max_samples, max_len=args.max_len, gen=gen,
                    overlong=args.overlong, batch_size=args.batch_size, dtype=args.dtype, shard_size=args.shard_size)
@@ -428,6 +450,8 @@ def register(sub) -> None:
     g.add_argument("--gen-batch-size", type=int, default=64, help="prompts per generate call (default 64)")
     g.add_argument("--gen-batch-tokens", type=int, default=None, metavar="T",
                    help="at most T prompt + reply tokens per generate call (fewer rows for long prompts)")
+    g.add_argument("--gen-engine", choices=["hf", "slots"], default="hf",
+                   help="hf: transformers generate; slots: our batched engine (CUDA graphs, grouped-query attention)")
     g.add_argument("--gen-cache", choices=["auto", "static", "dynamic"], default="auto",
                    help="KV cache of the generate calls (auto: static on CUDA, where transformers compiles it)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

@@ -233,6 +233,7 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
                               "replies": len(replies), "turns": recipe.turns,
                               "max_new_tokens": recipe.gen.max_new_tokens, "batch_size": recipe.gen.batch_size,
                               "batch_tokens": recipe.gen.batch_tokens, "cache": recipe.gen.cache,
+                              "engine": recipe.gen.engine,
                               "batches": batches},
               "train": {"steps": m["steps"], "stopped_early": m["stopped_early"], "tokens_per_s": m["tokens_per_s"],
                         "mfu": m["mfu"], "peak_tflops": PEAK_TFLOPS, "flops_per_token": m["flops_per_token"],
@@ -264,7 +265,8 @@ def _override(recipe: Recipe, args) -> Recipe:
     if args.turns is not None and args.turns < 1:
         raise UsageError(f"--turns {args.turns}: keep at least 1 user turn per conversation")
     gen_over = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("batch_size", args.gen_batch_size),
-                                  ("batch_tokens", args.gen_batch_tokens), ("cache", args.gen_cache)) if v is not None}
+                                  ("batch_tokens", args.gen_batch_tokens), ("cache", args.gen_cache),
+                                  ("engine", args.gen_engine)) if v is not None}
     if args.self_prompts is not None and args.self_prompts < 0:
         raise UsageError(f"--self-prompts {args.self_prompts}: give a count >= 0")
     rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s), ("turns", args.turns),
@@ -299,6 +301,9 @@ def register(sub) -> None:
     p.add_argument("--gen-batch-size", type=int, default=None, help="sequences per generate call")
     p.add_argument("--gen-batch-tokens", type=int, default=None, metavar="T",
                    help="prompt + reply tokens per generate call (long prompts get fewer rows)")
+    p.add_argument("--gen-engine", choices=["hf", "slots"], default=None,
+                   help="regeneration by transformers generate (hf, default) or our batched engine (slots: CUDA "
+                        "graphs, grouped-query attention, no compilation)")
     p.add_argument("--gen-cache", choices=["auto", "static", "dynamic"], default=None,
                    help="KV cache of regeneration (auto: static on CUDA, where transformers compiles the decode step)")
     p.add_argument("--mode", choices=["datagen", "online"], default=None, help="offline shards or online training")

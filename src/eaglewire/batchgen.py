@@ -1,0 +1,140 @@
+"""Batched generation for regeneration (`GenConfig(engine="slots")`): left-padded rows over a slot
+KV cache, the decode step captured in one CUDA graph per (rows, width), no compilation.
+
+transformers' `generate` with a static cache compiles its decode step (about a minute per new
+shape) and, under an attention mask, its SDPA path copies K/V to every query head (`repeat_kv`):
+at 2048 rows that copy is most of a step's memory traffic. Here the step attends with the query
+heads grouped onto their K/V head (`gqa_attention`), so K/V are read once, and the graph replays
+eager kernels: at thousands of rows each kernel is large, so fusing them buys little and the
+capture takes a second.
+
+Rows are left-padded to a common width W; row r's prompt starts at column pad[r]. Step t writes
+every row's K/V at slot W + t and attends to columns pad[r] .. W + t; positions count from each
+row's first real token, so a padded row computes what it would alone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.nn import functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+from .runners import SlotLayer, _Book
+from .targets import cache_kwarg
+
+ATTENTION = "eaglewire_gqa"
+
+
+def gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA with the query heads of each K/V head stacked as rows: (B, H, T, D) queries against
+    (B, Hkv, L, D) keys without repeating K/V. attention_mask: additive (B, 1, T, L)."""
+    b, h, t, d = query.shape
+    g = h // key.shape[1]
+    q = query.reshape(b, key.shape[1], g * t, d)  # head i -> K/V head i // g, as repeat_kv pairs them
+    mask = attention_mask.repeat(1, 1, g, 1) if attention_mask is not None and g > 1 else attention_mask
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(b, h, t, d).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, gqa_attention)
+
+
+def supports(model) -> bool:
+    """Decoder-only models whose attention goes through transformers' attention interface with
+    grouped K/V heads of the query's head size (Llama, Mistral, Qwen2/3 ...)."""
+    cfg = model.config
+    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    return bool(heads and kv and heads % kv == 0 and cfg.model_type in SUPPORTED)
+
+
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+class BatchGenerator:
+    """Generates up to `max_new` tokens for `rows` left-padded prompts of width `width`."""
+
+    def __init__(self, model, rows: int, width: int, max_new: int, cuda_graphs: bool):
+        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        self.model = copy.deepcopy(model, memo=shared)  # the caller's model keeps its attention
+        self.model.set_attn_implementation(ATTENTION)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.rows, self.width, self.max_new = rows, width, max_new
+        self.cache_kw = cache_kwarg(model)
+        self.book = _Book(max_len=width + max_new)
+        self.cache = Cache(layers=[SlotLayer(self.book) for _ in range(model.config.num_hidden_layers)])
+        self.cols = torch.arange(self.book.max_len, device=self.device)
+        self.graph = None
+        self.cuda_graphs = cuda_graphs
+        self.inputs = {"tok": torch.zeros(rows, 1, dtype=torch.long, device=self.device),
+                       "at": torch.zeros(1, dtype=torch.long, device=self.device),
+                       "pad": torch.zeros(rows, dtype=torch.long, device=self.device)}
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(allowed, zero, torch.finfo(self.dtype).min)[:, None]
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """ids (rows, width) left-padded, pad (rows,) pad lengths -> last-position logits (rows, V)."""
+        w = self.width
+        cols = torch.arange(w, device=self.device)
+        allowed = (cols[None, None, :] <= cols[None, :, None]) & (cols >= pad[:, None])[:, None, :]  # (B, W, W)
+        allowed |= torch.eye(w, dtype=torch.bool, device=self.device)  # a pad row sees itself (no empty softmax)
+        self.book.slots, self.book.view_len = cols, w
+        pos = (cols[None] - pad[:, None]).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=self._additive(allowed), position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self.cache_kw: self.cache})
+        self.inputs["pad"].copy_(pad)
+        return out.logits[:, -1].float()
+
+    def _step(self) -> torch.Tensor:
+        at, pad = self.inputs["at"], self.inputs["pad"]
+        self.book.slots, self.book.view_len = at, self.book.max_len
+        allowed = (self.cols[None] >= pad[:, None]) & (self.cols[None] <= at)  # (B, L)
+        out = self.model(input_ids=self.inputs["tok"], attention_mask=self._additive(allowed[:, None]),
+                         position_ids=(at - pad)[:, None], use_cache=True, **{self.cache_kw: self.cache})
+        return out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def step(self, tok: torch.Tensor, t: int) -> torch.Tensor:
+        """The tokens (rows,) at new position t (0-based) -> logits (rows, V) for position t + 1."""
+        self.inputs["tok"][:, 0].copy_(tok)
+        self.inputs["at"].fill_(self.width + t)
+        if not self.cuda_graphs:
+            return self._step()
+        if self.graph is None:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._step()  # lazy initialisations outside the capture; it writes the slot it will rewrite
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._step()
+        self.graph.replay()
+        return self.logits
+
+
+CHECK_EVERY = 16  # steps between reads of "has every row ended?" (each read waits for the GPU)
+
+
+@torch.no_grad()
+def generate(gen: BatchGenerator, ids: torch.Tensor, pad: torch.Tensor, stops: list[int], choose) -> torch.Tensor:
+    """New tokens (rows, steps) for left-padded ids (rows, width); choose(logits (rows, V)) -> (rows,)
+    picks each next token. Ends when every row has emitted a stop token or after max_new."""
+    logits = gen.prefill(ids, pad)
+    stop = torch.tensor(stops, device=gen.device)
+    out = torch.empty(gen.rows, gen.max_new, dtype=torch.long, device=gen.device)
+    ended = torch.zeros(gen.rows, dtype=torch.bool, device=gen.device)
+    for t in range(gen.max_new):
+        tok = choose(logits)
+        out[:, t] = tok
+        ended |= torch.isin(tok, stop)
+        if t + 1 == gen.max_new or ((t + 1) % CHECK_EVERY == 0 and bool(ended.all())):
+            return out[:, :t + 1]
+        logits = gen.step(tok, t)
+    return out
