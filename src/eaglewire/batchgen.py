@@ -15,15 +15,13 @@ row's first real token, so a padded row computes what it would alone.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from .runners import SlotLayer, _Book
-from .targets import cache_kwarg
+from .runners import SlotLayer, _Book, additive_mask, capture_graph
+from .targets import cache_kwarg, shared_copy
 
 ATTENTION = "eaglewire_gqa"
 
@@ -57,8 +55,7 @@ class BatchGenerator:
     """Generates up to `max_new` tokens for `rows` left-padded prompts of width `width`."""
 
     def __init__(self, model, rows: int, width: int, max_new: int, cuda_graphs: bool):
-        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-        self.model = copy.deepcopy(model, memo=shared)  # the caller's model keeps its attention
+        self.model = shared_copy(model)  # the caller's model keeps its attention
         self.model.set_attn_implementation(ATTENTION)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -67,15 +64,11 @@ class BatchGenerator:
         self.book = _Book(max_len=width + max_new)
         self.cache = Cache(layers=[SlotLayer(self.book) for _ in range(model.config.num_hidden_layers)])
         self.cols = torch.arange(self.book.max_len, device=self.device)
-        self.graph = None
+        self.replay = None
         self.cuda_graphs = cuda_graphs
         self.inputs = {"tok": torch.zeros(rows, 1, dtype=torch.long, device=self.device),
                        "at": torch.zeros(1, dtype=torch.long, device=self.device),
                        "pad": torch.zeros(rows, dtype=torch.long, device=self.device)}
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        return torch.where(allowed, zero, torch.finfo(self.dtype).min)[:, None]
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
@@ -86,7 +79,7 @@ class BatchGenerator:
         allowed |= torch.eye(w, dtype=torch.bool, device=self.device)  # a pad row sees itself (no empty softmax)
         self.book.slots, self.book.view_len = cols, w
         pos = (cols[None] - pad[:, None]).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=self._additive(allowed), position_ids=pos, use_cache=True,
+        out = self.model(input_ids=ids, attention_mask=additive_mask(allowed, self.dtype)[:, None], position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self.cache_kw: self.cache})
         self.inputs["pad"].copy_(pad)
         return out.logits[:, -1].float()
@@ -95,7 +88,7 @@ class BatchGenerator:
         at, pad = self.inputs["at"], self.inputs["pad"]
         self.book.slots, self.book.view_len = at, self.book.max_len
         allowed = (self.cols[None] >= pad[:, None]) & (self.cols[None] <= at)  # (B, L)
-        out = self.model(input_ids=self.inputs["tok"], attention_mask=self._additive(allowed[:, None]),
+        out = self.model(input_ids=self.inputs["tok"], attention_mask=additive_mask(allowed, self.dtype)[:, None, None],
                          position_ids=(at - pad)[:, None], use_cache=True, **{self.cache_kw: self.cache})
         return out.logits[:, -1].float()
 
@@ -106,16 +99,9 @@ class BatchGenerator:
         self.inputs["at"].fill_(self.width + t)
         if not self.cuda_graphs:
             return self._step()
-        if self.graph is None:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._step()  # lazy initialisations outside the capture; it writes the slot it will rewrite
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._step()
-        self.graph.replay()
+        if self.replay is None:  # the warm-up steps write the slot this step rewrites
+            self.replay, self.logits = capture_graph(self._step, self.device)
+        self.replay()
         return self.logits
 
 
@@ -135,6 +121,6 @@ def generate(gen: BatchGenerator, ids: torch.Tensor, pad: torch.Tensor, stops: l
         out[:, t] = tok
         ended |= torch.isin(tok, stop)
         if t + 1 == gen.max_new or ((t + 1) % CHECK_EVERY == 0 and bool(ended.all())):
-            return out[:, :t + 1]
+            break
         logits = gen.step(tok, t)
-    return out
+    return out[:, :t + 1]

@@ -423,6 +423,22 @@ def cmd_datagen(args) -> int:
     return 0
 
 
+def add_engine_args(p, defaults: bool) -> None:
+    """--gen-batch-size/-tokens, --gen-engine, --gen-cache; defaults=False leaves them None (a recipe
+    overrides only what was given)."""
+    def d(value):
+        return value if defaults else None
+
+    p.add_argument("--gen-batch-size", type=int, default=d(64), help="prompts per generate call (datagen: 64)")
+    p.add_argument("--gen-batch-tokens", type=int, default=None, metavar="T",
+                   help="at most T prompt + reply tokens per generate call (fewer rows for long prompts)")
+    p.add_argument("--gen-engine", choices=["hf", "slots"], default=d("hf"),
+                   help="hf (default): transformers generate; slots: our batched engine (CUDA graphs, grouped-query "
+                        "attention, no compilation)")
+    p.add_argument("--gen-cache", choices=["auto", "static", "dynamic"], default=d("auto"),
+                   help="KV cache of the hf engine (auto: static on CUDA, where transformers compiles the decode step)")
+
+
 def register(sub) -> None:
     from .commands import add_target_arg
 
@@ -447,12 +463,6 @@ def register(sub) -> None:
     g.add_argument("--max-new-tokens", type=int, default=512, help="per reply (default 512)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--gen-batch-size", type=int, default=64, help="prompts per generate call (default 64)")
-    g.add_argument("--gen-batch-tokens", type=int, default=None, metavar="T",
-                   help="at most T prompt + reply tokens per generate call (fewer rows for long prompts)")
-    g.add_argument("--gen-engine", choices=["hf", "slots"], default="hf",
-                   help="hf: transformers generate; slots: our batched engine (CUDA graphs, grouped-query attention)")
-    g.add_argument("--gen-cache", choices=["auto", "static", "dynamic"], default="auto",
-                   help="KV cache of the generate calls (auto: static on CUDA, where transformers compiles it)")
+    add_engine_args(g, defaults=True)
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.set_defaults(func=cmd_datagen)

@@ -17,10 +17,10 @@ a second copy of the linear layers in memory (about 0.5 GB for SmolLM2-135M in f
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
+
+from .targets import shared_copy
 
 MIN_WEIGHTS = 1 << 16  # SmolLM2-135M's smallest projection (k_proj) has 110,592
 
@@ -55,8 +55,7 @@ def prepacked(module: nn.Module) -> nn.Module:
     module itself when none is large enough."""
     if not any(_packs(m) for m in module.modules()):
         return module
-    shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    out = copy.deepcopy(module, memo=shared)
+    out = shared_copy(module)
     _swap(out)
     return out.eval()
 

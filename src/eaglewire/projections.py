@@ -16,10 +16,10 @@ the grouped projections.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
+
+from .targets import shared_copy
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -97,8 +97,7 @@ def fused(model: nn.Module) -> nn.Module:
     """A copy of `model` with every q/k/v and gate/up group fused; the model itself when there is none."""
     if not groups(model):
         return model
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    out = copy.deepcopy(model, memo=shared)
+    out = shared_copy(model)
     for m in list(out.modules()):
         for names in GROUPS:
             if _fusable(m, names):

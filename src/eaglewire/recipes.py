@@ -298,14 +298,7 @@ def register(sub) -> None:
                    help="also N prompts the target writes itself (sampled after the chat template's user header, "
                         "Magpie-style; repeats and ones under 3 words dropped), each answered like the others")
     p.add_argument("--max-new-tokens", type=int, default=None, help="regenerated reply length")
-    p.add_argument("--gen-batch-size", type=int, default=None, help="sequences per generate call")
-    p.add_argument("--gen-batch-tokens", type=int, default=None, metavar="T",
-                   help="prompt + reply tokens per generate call (long prompts get fewer rows)")
-    p.add_argument("--gen-engine", choices=["hf", "slots"], default=None,
-                   help="regeneration by transformers generate (hf, default) or our batched engine (slots: CUDA "
-                        "graphs, grouped-query attention, no compilation)")
-    p.add_argument("--gen-cache", choices=["auto", "static", "dynamic"], default=None,
-                   help="KV cache of regeneration (auto: static on CUDA, where transformers compiles the decode step)")
+    datagen.add_engine_args(p, defaults=False)
     p.add_argument("--mode", choices=["datagen", "online"], default=None, help="offline shards or online training")
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole recipe")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",

@@ -108,6 +108,26 @@ class _DraftCache:
         return self.layers[layer].write(k, v)
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = may attend) as the additive float mask HF attention adds to its scores."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def capture_graph(fn, device: torch.device, pool=None) -> tuple[object, object]:
+    """Warm fn up on a side stream, capture it in a CUDA graph: (replay, its static outputs)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):  # lazy allocations and library autotuning happen outside the capture
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph.replay, out
+
+
 class CompileError(EaglewireError):
     """torch.compile could not compile a runner's forward (never silently run eagerly instead)."""
 
@@ -291,8 +311,7 @@ class SlotRunner:
         allowed = (cols < length) | (block[:, rel.clamp(0, w - 1)] & (rel >= 0) & (rel < w))
         if self.mask_dtype == torch.bool:
             return allowed[None, None]
-        zero = torch.zeros((), dtype=self.mask_dtype, device=self.device)
-        return torch.where(allowed, zero, torch.finfo(self.mask_dtype).min)[None, None]
+        return additive_mask(allowed, self.mask_dtype)[None, None]
 
     def _call(self, feed: dict[str, torch.Tensor], view_len: int, compiled: bool = True) -> tuple[torch.Tensor, ...]:
         """_masked_forward, compiled if the runner compiles. The first call after a new cache runs
@@ -336,18 +355,8 @@ class SlotRunner:
         return st
 
     def _capture(self, fn) -> tuple[object, tuple[torch.Tensor, ...]]:
-        """Warm fn up on a side stream, capture it in a CUDA graph: (replay, its static outputs)."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lazy allocations and library autotuning happen outside the capture
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self._pool = self._pool or torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = fn()
-        return graph.replay, out
+        self._pool = self._pool or torch.cuda.graph_pool_handle()  # one pool for all of a runner's graphs
+        return capture_graph(fn, self.device, self._pool)
 
 
 class TargetRunner(SlotRunner):

@@ -6,6 +6,7 @@ file. Registry targets are installed once into `$EAGLEWIRE_HOME/targets/NAME` as
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import inspect
@@ -237,3 +238,10 @@ def compare_fingerprints(expected: dict, found: dict, what: str) -> list[str]:
 def cache_kwarg(model: torch.nn.Module) -> str:
     """transformers 5.24 renamed `past_key_values` to `cache`; 5.17 knows only the old name."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module tree that shares every parameter and buffer with `model`: its modules
+    can be swapped or reconfigured while the caller's model stays as it was."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo=shared)
