@@ -1,6 +1,10 @@
 """`eaglewire recipe`: prompt selection, and both recipes end to end on a tiny chat target (CPU)."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +128,36 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     assert sum(b["prompts"] for b in batches) == report["regenerated"]["replies"]
     with pytest.raises(UsageError, match="not empty"):
         recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts, device="cpu")
+
+
+def test_full_recipe_under_torchrun_shares_regeneration_and_trains_with_ddp(target_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 -m eaglewire.cli recipe full` on the CPU (gloo): each rank answers
+    every other conversation, rank 0 writes the same regenerated.jsonl one process writes, the draft
+    is trained by both ranks (DDP) and reported once."""
+    prompts = sharegpt(tmp_path / "sg.json")
+    argv = ["recipe", "full", "--target", str(target_dir), "--prompts", str(prompts), "--device", "cpu",
+            "--max-new-tokens", "10", "--gen-batch-size", "8", "--turns", "2", "--no-progress",
+            "--set", "epochs=1", "--set", "batch_tokens=1024", "--set", "max_len=256", "--set", "eval_fraction=0.2"]
+    assert cli.main([*argv, "--out", str(tmp_path / "one")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eaglewire.cli"]
+    r = subprocess.run([*run, *argv, "--self-prompts", "12", "--out", str(tmp_path / "two")], env=env,
+                       capture_output=True, text=True, timeout=600)  # a collective that hangs fails the test
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    lines = lambda d: open(tmp_path / d / "regenerated.jsonl").read().splitlines()  # noqa: E731
+    used = one["regenerated"]["conversations"]
+    assert lines("two")[:used] == lines("one")  # the ShareGPT part, in order; then the self-written prompts
+    written = two["prompts"]["self_written"]  # 6 asked of each rank, gathered
+    assert 0 < written["kept"] <= 12 and len(lines("two")) == used + written["kept"]
+    assert {b["rank"] for b in two["regenerated"]["batches"]} == {0, 1}
+    assert sum(b["prompts"] for b in two["regenerated"]["batches"]) == two["regenerated"]["replies"]
+    meta = json.loads((tmp_path / "two" / "draft" / "config.json").read_text())
+    assert meta["training"]["world_size"] == 2 and two["train"]["steps"] > 0
+    r = subprocess.run([*run, *argv, "--mode", "datagen", "--out", str(tmp_path / "three")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--mode datagen runs on one process" in r.stderr
 
 
 def test_set_refuses_unknown_fields():

@@ -20,6 +20,7 @@ from . import batchgen, chat, prompts, shards, targets
 from .acceptance import SamplingParams, logits_to_probs
 from .capture import capture, locate
 from .errors import EaglewireError, UsageError
+from .parallel import Dist
 from .taps import TapContract
 
 
@@ -234,10 +235,22 @@ def regenerate(target: targets.Target, convs: list[list[dict]], gen: GenConfig, 
             else prompts.Skip("prompt longer than --max-len") for c in out]
 
 
+def regenerate_ranks(target: targets.Target, convs: list[list[dict]], gen: GenConfig, max_len: int, dist: Dist,
+                     on_batch: Callable[[dict], None] | None = None) -> list[list[dict] | prompts.Skip]:
+    """regenerate() under torchrun: conversations dealt round-robin over the ranks (so a run of long
+    or many-turn ones is shared out), then gathered back in order; every rank returns them all."""
+    if dist.world == 1:
+        return regenerate(target, convs, gen, max_len, on_batch)
+    out: list = [None] * len(convs)
+    for r, part in enumerate(dist.gather(regenerate(target, convs[dist.rank::dist.world], gen, max_len, on_batch))):
+        out[r::dist.world] = part
+    return out
+
+
 MIN_PROMPT_WORDS = 3  # shorter self-written prompts ("Hi", half a word) teach the draft little
 
 
-def self_prompts(target: targets.Target, n: int, gen: GenConfig) -> list[str]:
+def self_prompts(target: targets.Target, n: int, gen: GenConfig, dist: Dist | None = None) -> list[str]:
     """Up to n distinct user prompts written by the target itself (Magpie, Xu et al. 2024): sampled
     continuations of the chat template's opening of a user turn, cut at the end of that turn.
     They follow the target's instruction-tuning data, which a prompt file may not (ShareGPT is
@@ -246,11 +259,10 @@ def self_prompts(target: targets.Target, n: int, gen: GenConfig) -> list[str]:
         raise UsageError("self-written prompts must be sampled (temperature > 0): greedy writes one prompt n times")
     header = chat.user_header(target.tokenizer)
     ids = target.tokenizer(header, add_special_tokens=False)["input_ids"]
-    seen: set[str] = set()
-    for text in generate_batched(target, [ids] * n, gen):
-        if len(text.split()) >= MIN_PROMPT_WORDS:
-            seen.add(text)
-    return sorted(seen)
+    if dist is not None:  # each rank its share (and its own seed), then gathered: every rank returns them all
+        n = n // dist.world + (dist.rank < n % dist.world)
+    written = [t for t in generate_batched(target, [ids] * n, gen) if len(t.split()) >= MIN_PROMPT_WORDS]
+    return sorted({t for part in (dist.gather(written) if dist is not None else [written]) for t in part})
 
 
 # ---- encoding and capture -----------------------------------------------------------------------

@@ -51,6 +51,15 @@ class Dist:
             dist.all_reduce(t)
         return t
 
+    def gather(self, obj) -> list:
+        """Every rank's obj (picklable), in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, obj)
+        return parts
+
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as dist

@@ -7,6 +7,9 @@
           target in large batches, online training (taps captured on the fly, nothing on disk)
           under a wall-clock budget, a report.
 
+Under `torchrun --nproc_per_node N -m eaglewire.cli recipe full ...` every rank loads the target,
+regenerates every N-th conversation and trains the draft (DDP) on all of them; rank 0 writes.
+
 Stages: prompts -> regenerate -> (datagen) -> train -> report. Each stage's time, the training
 tokens/s and the model-FLOPs utilisation (against PEAK_TFLOPS) go to report.json and stdout.
 """
@@ -31,6 +34,7 @@ from . import datagen, prompts, targets
 from .errors import EaglewireError, UsageError
 from .taps import TapContract
 from .metrics import print_summary
+from .parallel import Dist
 from .train import train
 from .train_config import PEAK_TFLOPS, TrainConfig
 
@@ -154,53 +158,73 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
                prompts_path: str | Path | None = None, device: str | None = None, progress: bool = True) -> dict:
     """Run every stage into `out` (new or empty); returns the report (also out/report.json)."""
     t0 = time.perf_counter()
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"--out {out}: not empty; a recipe writes into a new or empty directory")
-    out.mkdir(parents=True, exist_ok=True)
-    stages: dict[str, float] = {}
-
-    def stage(name, since):
-        stages[name] = round(time.perf_counter() - since, 2)
-        print(f"eaglewire recipe {recipe.name}: {name} done in {stages[name]:.1f} s", file=sys.stderr)
-        return time.perf_counter()
-
-    t = time.perf_counter()
     dev = device or recipe.device
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"recipe {recipe.name} is meant for a GPU and none is visible; pass --device cpu to run it "
                          "here anyway (slowly)")
+    dist = Dist.setup(dev)
+    try:
+        return _run(recipe, Path(out), target, prompts_path, dist, progress, t0)
+    finally:
+        dist.close()
+
+
+def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: bool, t0: float) -> dict:
+    """The stages; under torchrun every rank runs them, regeneration is shared out and rank 0 writes."""
+    if dist.world > 1 and recipe.mode == "datagen":
+        raise UsageError(f"recipe {recipe.name} --mode datagen runs on one process: under torchrun use --mode online "
+                         "(or run `eaglewire datagen`, then `torchrun ... eaglewire train --data`)")
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"--out {out}: not empty; a recipe writes into a new or empty directory")
+    dist.barrier()  # every rank has looked at --out before rank 0 writes there
+    if dist.main:
+        out.mkdir(parents=True, exist_ok=True)
+    stages: dict[str, float] = {}
+
+    def stage(name, since):
+        stages[name] = round(time.perf_counter() - since, 2)
+        if dist.main:
+            print(f"eaglewire recipe {recipe.name}: {name} done in {stages[name]:.1f} s", file=sys.stderr)
+        return time.perf_counter()
+
+    t = time.perf_counter()
+    dev = str(dist.device)
     tgt = target if isinstance(target, targets.Target) else targets.load_target(target, device=dev)
     t = stage("load target", t)
 
     src = Path(prompts_path) if prompts_path else (DEMO_PROMPTS if recipe.name == "demo" else sharegpt_file())
     convs, prompt_info = first_turns(src, recipe.max_prompts, recipe.turns)
     if recipe.self_prompts:
-        torch.manual_seed(recipe.gen.seed)
+        torch.manual_seed(recipe.gen.seed + dist.rank)  # each rank samples prompts of its own
         written = datagen.self_prompts(tgt, recipe.self_prompts, dataclasses.replace(
-            recipe.gen, temperature=1.0, top_p=1.0, max_new_tokens=SELF_PROMPT_TOKENS))
+            recipe.gen, temperature=1.0, top_p=1.0, max_new_tokens=SELF_PROMPT_TOKENS), dist)
         have = {c[-1]["content"].strip() for c in convs if len(c) == 1}
         new = [[{"role": "user", "content": p}] for p in written if p.strip() not in have]
         convs += new
         prompt_info["self_written"] = {"asked": recipe.self_prompts, "kept": len(new)}
-    write_conversations(convs, out / "prompts.jsonl")
+    if dist.main:
+        write_conversations(convs, out / "prompts.jsonl")
     t = stage("prompts", t)
 
     torch.manual_seed(recipe.gen.seed)
     batches: list[dict] = []
+    rank = f" (rank {dist.rank})" if dist.world > 1 else ""
 
     def on_batch(b: dict) -> None:
-        batches.append(b)
+        batches.append({"rank": dist.rank, **b} if dist.world > 1 else b)
         if progress:
-            print(f"eaglewire recipe {recipe.name}: regenerate turn {b['turn']}: {b['prompts']} prompts "
+            print(f"eaglewire recipe {recipe.name}{rank}: regenerate turn {b['turn']}: {b['prompts']} prompts "
                   f"({b['rows']} rows x {b['width']} + {b['steps']} tokens) in {b['seconds']:.1f} s"
                   + (f", {b['compiled']} graph(s) compiled" if b["compiled"] else ""), file=sys.stderr)
 
-    regen = datagen.regenerate(tgt, convs, recipe.gen, recipe.max_len, on_batch=on_batch)
+    regen = datagen.regenerate_ranks(tgt, convs, recipe.gen, recipe.max_len, dist, on_batch=on_batch)
+    batches = [b for part in dist.gather(batches) for b in part]
     kept = [c for c in regen if not isinstance(c, prompts.Skip)]
     if not kept:
         raise EaglewireError(f"recipe {recipe.name}: the target produced no usable reply")
-    write_conversations(kept, out / "regenerated.jsonl")
+    if dist.main:
+        write_conversations(kept, out / "regenerated.jsonl")
+    dist.barrier()  # the training data is on disk before any rank reads it
     replies = [m["content"] for c in kept for m in c if m["role"] == "assistant"]
     gen_tokens = sum(map(len, tgt.tokenizer(replies, add_special_tokens=False)["input_ids"]))
     regen_s = time.perf_counter() - t
@@ -222,7 +246,7 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
                                  f"({time.perf_counter() - t0:.0f} s); lower --max-prompts or the reply length")
         cfg = dataclasses.replace(cfg, time_budget_s=left)
     cfg = dataclasses.replace(cfg, device=dev)
-    result = train(cfg, tgt, data, out=out / "draft", progress=progress)
+    result = train(cfg, tgt, data, out=out / "draft", progress=progress)  # joins this process group
     t = stage("train", t)
 
     m = result.metrics
@@ -239,7 +263,9 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
                         "mfu": m["mfu"], "peak_tflops": PEAK_TFLOPS, "flops_per_token": m["flops_per_token"],
                         "seconds": m["train_seconds"]},
               "heldout": m["heldout"], "stages_s": stages, "total_s": round(time.perf_counter() - t0, 1),
-              "checkpoint": str(result.checkpoint)}
+              "world_size": dist.world, "checkpoint": str(result.checkpoint)}
+    if not dist.main:
+        return report
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print_summary(result.checkpoint, m)
     r = report["regenerated"]
@@ -283,7 +309,8 @@ def cmd_recipe(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("recipe", help="run the whole pipeline with preset settings: demo (CPU) or full (one GPU)")
+    p = sub.add_parser("recipe", help="run the whole pipeline with preset settings: demo (CPU) or full (one GPU, or N under "
+                                          "torchrun)")
     p.add_argument("recipe", choices=sorted(RECIPES), help="demo: CPU, minutes; full: ShareGPT on one H200")
     p.add_argument("--out", required=True, metavar="DIR", help="new or empty directory for everything it makes")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=f"target (default {targets.DEFAULT_TARGET})")

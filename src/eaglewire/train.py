@@ -90,8 +90,7 @@ class _Run:
                                      "again with --taps")
             return train_data.open_offline(data, self.target.fingerprint, want, cfg.max_len)
         contract = want or TapContract.default(n)
-        return train_data.build_online(self.target, data, contract, cfg.max_len, cfg.gen(), self.dist.rank,
-                                       self.dist.world)
+        return train_data.build_online(self.target, data, contract, cfg.max_len, cfg.gen(), self.dist)
 
     def _draft(self) -> Eagle3Draft:
         cfg, tc = self.cfg, self.target.config

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from . import chat, checkpoint, datagen, prompts, shards
 from .capture import capture
 from .errors import EaglewireError, UsageError
+from .parallel import Dist
 from .taps import TapContract
 
 SCAN_ROWS = 1 << 16  # rows per finiteness check: bounded memory on big shards
@@ -108,13 +109,14 @@ def open_offline(data_dir: str | Path, fingerprint: dict, contract: TapContract 
 
 
 def build_online(target, prompts_path: str | Path, contract: TapContract, max_len: int,
-                 regen: datagen.GenConfig | None, rank: int = 0, world: int = 1) -> OnlineCorpus:
+                 regen: datagen.GenConfig | None, dist: Dist) -> OnlineCorpus:
     """Conversations -> (regenerated) -> encoded samples, exactly as datagen would keep them."""
     chat.require_chat_template(target.tokenizer, f"--target {target.spec}")
     pset = prompts.load_conversations(prompts_path, need_assistant=regen is None)
     convs: list = pset.conversations
     if regen is not None:
-        convs = _regenerate(target, convs, regen, max_len, rank, world)
+        torch.manual_seed(regen.seed)
+        convs = datagen.regenerate_ranks(target, convs, regen, max_len, dist)
     cfg = datagen.DatagenConfig(regen=regen is not None, max_len=max_len, overlong="truncate")
     samples, skipped = [], Counter()
     for conv in convs:
@@ -128,21 +130,6 @@ def build_online(target, prompts_path: str | Path, contract: TapContract, max_le
     prov = {"mode": "online", "prompts": pset.summary(), "samples": len(samples), "skipped": dict(skipped),
             "regen": None if regen is None else {k: v for k, v in vars(regen).items() if k != "batch_size"}}
     return OnlineCorpus(samples, contract, prov)
-
-
-def _regenerate(target, convs, gen: datagen.GenConfig, max_len: int, rank: int, world: int) -> list:
-    """datagen.regenerate, each rank a contiguous slice, then gathered so every rank holds all."""
-    torch.manual_seed(gen.seed)
-    if world == 1:
-        return datagen.regenerate(target, convs, gen, max_len)
-    import torch.distributed as dist
-
-    per = -(-len(convs) // world)
-    part = convs[rank * per:(rank + 1) * per]
-    mine = datagen.regenerate(target, part, gen, max_len) if part else []
-    parts: list = [None] * world
-    dist.all_gather_object(parts, mine)  # in-process exchange between this job's ranks
-    return [c for part in parts for c in part]
 
 
 # ---- split and batches --------------------------------------------------------------------------
