@@ -92,7 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--budget", type=int, default=63)
     p.add_argument("--no-compile", action="store_true", help="eager forwards inside the graphs")
-    p.add_argument("--fuse-projections", action="store_true", help="q/k/v and gate/up as one matmul each")
+    p.add_argument("--no-fuse-projections", action="store_true", help="q/k/v and gate/up apart (default: fused "
+                   "where compiled)")
+    p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
 
@@ -104,19 +106,21 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, t.config.vocab_size, (a.prompt_len,), generator=gen)
     cuda = device.type == "cuda"
-    common = dict(cuda_graphs=cuda, compile=cuda and not a.no_compile, fuse_projections=a.fuse_projections)
+    common = dict(cuda_graphs=cuda, compile=cuda and not a.no_compile, fuse_projections=False if a.no_fuse_projections else None)
     shapes = {"plain": None, f"chain K={a.chain}": dict(mode="chain", K=a.chain),
               f"tree d={a.depth} k={a.topk} b={a.budget}": dict(mode="tree", depth=a.depth, topk=a.topk,
                                                                  budget=a.budget)}
-    rows = {}
+    rows, modes = {}, set(a.modes.split(","))
     for name, shape in shapes.items():
+        if name.split()[0] not in modes:
+            continue
         dec = SpecDecoder(t, None if shape is None else draft, None if shape is None else meta, **(shape or {}),
                           **common)
         rows[name] = measure(dec, ids, a.new, a.repeats, plain=shape is None)
 
     print(f"decode rounds: {a.target} {str(dtype).split('.')[-1]} on "
           f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}, "
-          f"fused projections={a.fuse_projections}")
+          f"fused projections={not a.no_fuse_projections and common['compile']}")
     print(f"{'mode':<24}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
     for name, r in rows.items():
         g = sum(r["graphs"].values()) if r.get("graphs") else None

@@ -530,10 +530,12 @@ def test_captured_functions_never_read_the_device(llama, seqs, drafts, monkeypat
     """What a CUDA graph captures must not read a value back to the host (`.item()`, a 0-d index, a
     data-dependent shape): capture fails on the GPU (seen on an H200 in the one-replay chain). Here
     on a CPU, every static function the decoder builds is traced by make_fx with its inputs as
-    tracing tensors: a read-back is `aten._local_scalar_dense`, which make_fx refuses."""
+    tracing tensors: a read-back is `aten._local_scalar_dense`, which make_fx refuses. Nor may one
+    hold aten.sort, which inductor lowers to its own Triton sort: that gave indices past the end in
+    the one-replay tree on an H200 (tree.argsort_stable keeps aten's)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    traced = []
+    traced, sorts = [], []
     make_static = SlotRunner._make_static
 
     def tracing(self, inputs, fn):
@@ -549,7 +551,8 @@ def test_captured_functions_never_read_the_device(llama, seqs, drafts, monkeypat
 
         fn()  # the warm-up a capture does first (it allocates the cache; writes land in scratch slots)
         kv = [t.clone() for layer in self._layers() for t in (layer.keys, layer.values)]  # tracing writes into it
-        make_fx(run)(*[inputs[k] for k in keys])
+        graph = make_fx(run)(*[inputs[k] for k in keys]).graph
+        sorts.extend(n for n in graph.nodes if n.target in (torch.ops.aten.sort.stable, torch.ops.aten.sort.default))
         for t, layer in zip(kv[::2], self._layers()):
             layer.keys.copy_(t)
         for t, layer in zip(kv[1::2], self._layers()):
@@ -563,3 +566,4 @@ def test_captured_functions_never_read_the_device(llama, seqs, drafts, monkeypat
         for p in prompts(seqs)[:2]:
             assert dec.generate(p, 24).tokens == reference_greedy(llama.model, p, 24)
     assert {"TargetRunner", "DraftRunner"} <= set(traced) and len(traced) >= 4
+    assert not sorts

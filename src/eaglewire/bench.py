@@ -9,7 +9,8 @@ Runs, each over every prompt in turn after a warm-up (`run_prompts`):
 the warm-up compiles them, and a size first met while timed is counted in `graphs_compiled_while_timed`.
 On a CPU in fp32 they run oneDNN-packed linear layers (prepack.py; "+onednn" in the run's name), while
 (a) keeps transformers' own: the engines differ in their matrix kernels too, and (b) shows by how much.
-`fuse_projections` runs (b) and (c) with q/k/v and gate/up as one matmul each ("+fused"; projections.py).
+`fuse_projections` (on: where compiled) runs (b) and (c) with q/k/v and gate/up as one matmul each
+("+fused"; projections.py).
 
 Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
 `completion_tokens / spec_verify_ct`, vLLM `1 + accepted / drafts`). Acceptance rate at draft
@@ -67,7 +68,7 @@ class BenchConfig:
     cuda_graphs: bool = True  # ignored on cpu
     compile: bool | str = "auto"  # torch.compile our decoder's forwards; auto: on cuda, not on cpu
     prepack: bool = True  # oneDNN-packed linears for our decoder where they apply (fp32 on a cpu, not compiled)
-    fuse_projections: bool = False  # q/k/v and gate/up as one matmul each in our decoder's target
+    fuse_projections: bool = True  # q/k/v and gate/up as one matmul each in our decoder's target, where compiled
     warmup: bool = True
     seed: int = 0
     bandwidth: float | None = None  # bytes/s; None: BANDWIDTH by device name
@@ -178,7 +179,7 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     # The pair check (taps, hidden size, vocab, fingerprint) runs here, before anything is timed.
     dec = SpecDecoder(target, draft if speculate else None, meta if speculate else None, mode=cfg.mode,
                       cuda_graphs=graphs, compile=cfg.compiles(device), prepack=None if cfg.prepack else False,
-                      fuse_projections=cfg.fuse_projections, **shape)
+                      fuse_projections=None if cfg.fuse_projections else False, **shape)
     greedy = cfg.sampling.greedy
 
     def run(ids: torch.Tensor, max_new: int, seed: int = 0) -> Generation:
@@ -498,7 +499,7 @@ def cmd_bench(args) -> int:
                     chain=args.chain or 7, depth=args.depth, topk=args.topk, budget=args.budget, device=args.device,
                     dtype=args.dtype, hf=not args.no_hf, hf_cache=args.hf_cache, cuda_graphs=not args.no_cuda_graphs,
                     compile="auto" if args.compile is None else args.compile, prepack=not args.no_prepack,
-                    fuse_projections=args.fuse_projections,
+                    fuse_projections=not args.no_fuse_projections,
                     warmup=not args.no_warmup, seed=args.seed,
                     bandwidth=args.bandwidth * 1e12 if args.bandwidth else None)
     if args.tree and args.chain:
@@ -550,8 +551,9 @@ def register(sub) -> None:
     comp.add_argument("--no-compile", dest="compile", action="store_const", const=False)
     p.add_argument("--no-prepack", action="store_true",
                    help="plain nn.Linear in our decoder on a CPU (default: oneDNN-packed weights in fp32)")
-    p.add_argument("--fuse-projections", action="store_true",
-                   help="our decoder's target with q/k/v and gate/up as one matmul each (fewer kernels a step)")
+    p.add_argument("--no-fuse-projections", action="store_true",
+                   help="keep q/k/v and gate/up apart in our decoder's target (default: one matmul each where "
+                        "compiled, fewer kernels a step)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
