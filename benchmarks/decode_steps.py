@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=63)
     p.add_argument("--no-compile", action="store_true", help="eager forwards inside the graphs")
     p.add_argument("--no-fuse-projections", action="store_true", help="q/k/v and gate/up apart (default: fused "
-                   "where compiled)")
+                   "for targets up to 1B parameters)")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
 
     print(f"decode rounds: {a.target} {str(dtype).split('.')[-1]} on "
           f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}, "
-          f"fused projections={not a.no_fuse_projections and common['compile']}")
+          f"fused projections={dec.fused_projections}")
     print(f"{'mode':<24}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
     for name, r in rows.items():
         g = sum(r["graphs"].values()) if r.get("graphs") else None

@@ -9,8 +9,8 @@ Runs, each over every prompt in turn after a warm-up (`run_prompts`):
 the warm-up compiles them, and a size first met while timed is counted in `graphs_compiled_while_timed`.
 On a CPU in fp32 they run oneDNN-packed linear layers (prepack.py; "+onednn" in the run's name), while
 (a) keeps transformers' own: the engines differ in their matrix kernels too, and (b) shows by how much.
-`fuse_projections` (on: where compiled) runs (b) and (c) with q/k/v and gate/up as one matmul each
-("+fused"; projections.py).
+`fuse_projections` (on: SpecDecoder's default, targets up to 1B parameters) runs (b) and (c) with
+q/k/v and gate/up as one matmul each ("+fused"; projections.py).
 
 Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
 `completion_tokens / spec_verify_ct`, vLLM `1 + accepted / drafts`). Acceptance rate at draft
@@ -68,7 +68,7 @@ class BenchConfig:
     cuda_graphs: bool = True  # ignored on cpu
     compile: bool | str = "auto"  # torch.compile our decoder's forwards; auto: on cuda, not on cpu
     prepack: bool = True  # oneDNN-packed linears for our decoder where they apply (fp32 on a cpu, not compiled)
-    fuse_projections: bool = True  # q/k/v and gate/up as one matmul each in our decoder's target, where compiled
+    fuse_projections: bool = True  # q/k/v and gate/up as one matmul each in our decoder's target (small targets)
     warmup: bool = True
     seed: int = 0
     bandwidth: float | None = None  # bytes/s; None: BANDWIDTH by device name
@@ -552,8 +552,8 @@ def register(sub) -> None:
     p.add_argument("--no-prepack", action="store_true",
                    help="plain nn.Linear in our decoder on a CPU (default: oneDNN-packed weights in fp32)")
     p.add_argument("--no-fuse-projections", action="store_true",
-                   help="keep q/k/v and gate/up apart in our decoder's target (default: one matmul each where "
-                        "compiled, fewer kernels a step)")
+                   help="keep q/k/v and gate/up apart in our decoder's target (default: one matmul each for "
+                        "targets up to 1B parameters, fewer kernels a step)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",

@@ -34,6 +34,7 @@ from .tree import DraftTree, grow, prune, tree_attention
 
 MODES = ("chain", "tree")
 PLAIN_AHEAD = 8  # plain decoding on CUDA: steps queued between read-backs (generate_plain)
+FUSE_MAX_PARAMS = 1_000_000_000  # fused projections by default up to this target size (see SpecDecoder)
 GREEDY = SamplingParams()
 # Fingerprint fields a draft can differ in and still run (a fine-tuned or re-quantized target, another
 # chat template): a warning, an error with strict. Any other difference is always an error.
@@ -116,9 +117,11 @@ class SpecDecoder:
     static forwards through torch.compile (inductor fuses the many small kernels of a decoder layer;
     with cuda_graphs the compiled forward is what the graph captures). prepack (None: on for fp32
     on a CPU, off with compile) runs both models on copies whose linear layers use oneDNN-packed
-    weights (prepack.py). fuse_projections (None: on with compile) runs the target on a copy whose
-    q/k/v and gate/up projections are one matmul each (projections.py): fewer kernels per step,
-    which inductor does not merge by itself (H200: a plain step 1.51 -> 1.21 ms).
+    weights (prepack.py). fuse_projections runs the target on a copy whose q/k/v and gate/up
+    projections are one matmul each (projections.py): fewer kernels a step, which inductor does not
+    merge by itself (SmolLM2-135M, a plain step: H200 compiled 1.51 -> 1.21 ms, 2-core CPU 22.6 ->
+    19.4 ms). None: on for targets up to FUSE_MAX_PARAMS, whose steps are bound by their kernel
+    count; the copy holds those projections twice, which a big target cannot spare.
     device/dtype move the target (and the draft follows the target).
     """
 
@@ -142,7 +145,8 @@ class SpecDecoder:
         if prepack and not can_pack:
             raise UsageError(f"prepack needs an fp32 target on a CPU with oneDNN; it is {p.dtype} on {p.device}")
         pack = can_pack and not compile if prepack is None else prepack
-        fuse = compile if fuse_projections is None else fuse_projections
+        fuse = fuse_projections if fuse_projections is not None else \
+            sum(q.numel() for q in target.model.parameters()) <= FUSE_MAX_PARAMS
         fused = projections.fused(target.model) if fuse else target.model
         self.fused_projections = fused is not target.model  # False when the model has no such group
         model = packing.prepacked(fused) if pack else fused
