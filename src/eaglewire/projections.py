@@ -1,5 +1,6 @@
 """Sibling projections fused into one matmul: q/k/v in attention, gate/up in the MLP
-(`SpecDecoder(fuse_projections=True)`, `bench --fuse-projections`).
+(`SpecDecoder(fuse_projections=...)`: on by default for targets up to 1B parameters;
+`bench --no-fuse-projections` to compare).
 
 A decode step of a small model on a GPU is bound by how many kernels it runs, not by its bytes
 (SmolLM2-135M on an H200: 1.48 ms of graph replay for 0.063 ms of weights; docs/PERFORMANCE.md).
