@@ -145,7 +145,8 @@ def test_bench_chain_json_table_plot(shift, prompt_file, tmp_path, capsys):
     assert g["ok"] is True and g["mismatches"] == [] and g["compared"] == ["base", "spec"]
     assert r["settings"]["compile"] is False  # auto: off on cpu, where fp32 runs oneDNN-packed linears instead
     assert r["settings"]["prepack"] is True  # asked for; the tiny layers are too small to pack:
-    assert r["runs"]["base"]["name"] == "eaglewire-base"  # "+onednn" names runs that did
+    # "+onednn" names runs that did; "+fused": q/k/v and gate/up as one matmul each (small targets: default)
+    assert r["runs"]["base"]["name"] == "eaglewire-base+fused"
     assert r["runs"]["spec"]["graphs_compiled_while_timed"] == 0
 
 
@@ -177,7 +178,11 @@ def test_bench_tree_on_random_pair_is_lossless(random_pair, prompt_file):
     acc = r["acceptance"]
     assert len(acc["rate_by_position"]) == 3 and all(0 <= x <= 1 for x in acc["rate_by_position"])
     assert acc["acceptance_length"] == pytest.approx(r["runs"]["spec"]["tokens"] / acc["verification_steps"])
-    assert r["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5"
+    assert r["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5+fused"
+    apart = run_bench(target, draft, prompt_file, max_new_tokens=10, mode="tree", depth=3, topk=2, budget=5,
+                      device="cpu", fuse_projections=False, log=lambda m: None)  # --no-fuse-projections
+    assert apart["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5" and apart["greedy_check"]["ok"] is True
+    assert apart["runs"]["spec"]["tokens"] == r["runs"]["spec"]["tokens"]
 
 
 def test_no_hf_and_sampling(shift, prompt_file):
