@@ -119,8 +119,8 @@ class SpecDecoder:
     on a CPU, off with compile) runs both models on copies whose linear layers use oneDNN-packed
     weights (prepack.py). fuse_projections runs the target on a copy whose q/k/v and gate/up
     projections are one matmul each (projections.py): fewer kernels a step, which inductor does not
-    merge by itself (SmolLM2-135M, a plain step: H200 compiled 1.51 -> 1.21 ms, 2-core CPU 22.6 ->
-    19.4 ms). None: on for targets up to FUSE_MAX_PARAMS, whose steps are bound by their kernel
+    merge by itself (SmolLM2-135M, a plain step: H200 compiled 1.51 -> 1.21 ms; 2-core CPU within
+    noise). None: on for targets up to FUSE_MAX_PARAMS, whose steps are bound by their kernel
     count; the copy holds those projections twice, which a big target cannot spare.
     device/dtype move the target (and the draft follows the target).
     """

@@ -32,7 +32,8 @@ PACK_ROWS = 8
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Packing pays for fp32 on a CPU with oneDNN; elsewhere the dense path is used."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # the op inductor's CPU backend calls
 
 
 class PackedLinear(nn.Module):
