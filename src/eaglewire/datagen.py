@@ -417,8 +417,7 @@ def cmd_datagen(args) -> int:
         raise UsageError(f"--prompts {path}: the file is empty")
     gen = GenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     batch_size=args.gen_batch_size, batch_tokens=args.gen_batch_tokens, cache=args.gen_cache,
-                    engine=args.gen_engine,
-                    seed=args.seed)
+                    engine=args.gen_engine, seed=args.seed)
     options = dict(regen=args.regen, max_samples=args.max_samples, max_len=args.max_len, gen=gen,
                    overlong=args.overlong, batch_size=args.batch_size, dtype=args.dtype, shard_size=args.shard_size)
     DatagenConfig(**options)  # refuse bad arguments before loading the target

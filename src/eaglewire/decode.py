@@ -268,7 +268,7 @@ class SpecDecoder:
         greedy takes the draft's argmax; sampling draws from the draft's distribution (its q goes to
         the verifier). Tokens stay on the device: no host sync between draft steps."""
         if sampling.greedy and self.drafter.static:  # the K-1 feedback steps as one replay
-            first = self.draft_ids[logits.argmax()].view(1)
+            first = self.draft_ids[logits.argmax().view(1)]  # a 1-d index: a 0-d one is read back (a sync)
             rest = self.drafter.greedy_chain(first, hidden[None], root_pos + 1, self.spec.K - 1) \
                 if self.spec.K > 1 else first[:0]
             return DraftTree.chain(torch.cat([first, rest])), None, None
@@ -279,7 +279,7 @@ class SpecDecoder:
                                                       self._positions(root_pos + i, 1))
                 logits, hidden = logits[0], hidden[0]
             if sampling.greedy:
-                tokens.append(self.draft_ids[logits.argmax()].view(1))
+                tokens.append(self.draft_ids[logits.argmax().view(1)])
                 continue
             qd = logits_to_probs(logits, sampling)  # (Vd,) over the draft vocabulary
             tokens.append(self.draft_ids[torch.multinomial(qd, 1, generator=gen)])
