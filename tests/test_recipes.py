@@ -170,3 +170,12 @@ def test_turns_must_keep_a_user_turn():
     args = recipe_args("full", "--turns", "0")
     with pytest.raises(UsageError, match="--turns 0: keep at least 1 user turn"):
         recipes._override(recipes.RECIPES["full"], args)
+
+
+def test_init_from_is_checked_before_regeneration(target_dir, tmp_path, capsys):
+    args = recipe_args("full", "--init-from", str(tmp_path / "nowhere"))
+    assert recipes._override(recipes.RECIPES["full"], args).train.init_from == str(tmp_path / "nowhere")
+    rc = cli.main(["recipe", "full", "--target", str(target_dir), "--prompts", str(sharegpt(tmp_path / "sg.json")),
+                   "--device", "cpu", "--init-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])
+    assert rc != 0 and "nowhere: not an eaglewire draft checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "prompts.jsonl").exists()

@@ -431,3 +431,40 @@ def test_online_regeneration_trains_on_the_targets_own_replies(target, prompts, 
     assert data["samples"] == 40
     # 8 held-out replies of <= 6 generated tokens plus <|im_end|>: not the prompt file's longer answers
     assert 0 < r.metrics["heldout"]["positions"] <= 8 * 7
+
+
+def test_init_from_fine_tunes_an_existing_draft_keeping_its_vocabulary(target, data, prompts, root):
+    """--init-from starts from a checkpoint's weights and draft vocabulary (as SpecForge's and EAGLE's
+    training scripts continue from a saved draft), not from a new draft with a vocabulary of its own."""
+    base = train(TrainConfig(steps=6, draft_vocab_size=24, **FAST), target, data, out=root / "ft-base",
+                 progress=False).checkpoint
+    quiet = {**FAST, "lr": 1e-9, "warmup_steps": 0}
+    tuned = train(TrainConfig(steps=2, init_from=str(base), **quiet), target, prompts, out=root / "ft",
+                  progress=False)  # online, on conversations of their own: the vocabulary is still the draft's
+    fresh = train(TrainConfig(steps=2, draft_vocab_size=24, **quiet), target, prompts, out=root / "ft-fresh",
+                  progress=False)
+    a, b = weights(base), weights(tuned.checkpoint)
+    assert torch.equal(a["d2t"], b["d2t"]) and torch.equal(a["t2d"], b["t2d"])
+    for name in a:
+        assert torch.allclose(a[name].float(), b[name].float(), atol=1e-5), name
+    assert not torch.allclose(a["fc.weight"], weights(fresh.checkpoint)["fc.weight"], atol=1e-3)
+    assert tuned.metrics["heldout"]["acc"][0] > fresh.metrics["heldout"]["acc"][0]
+    saved = json.loads((root / "ft" / "config.json").read_text())["training"]["config"]
+    assert saved["init_from"] == str(base)
+
+
+def test_init_from_refuses_a_draft_of_another_shape_or_taps(target, data, prompts, root):
+    base = root / "ft-base2"
+    train(TrainConfig(steps=2, draft_vocab_size=24, **FAST), target, data, out=base, progress=False)
+    with pytest.raises(UsageError, match=r"--init-from .*ft-base2: its draft_vocab_size is 24, --draft-vocab-size "
+                                         r"asks for 32: a fine-tuned draft keeps its shape"):
+        train(TrainConfig(steps=2, init_from=str(base), draft_vocab_size=32, **FAST), target, prompts,
+              out=root / "never", progress=False)
+    with pytest.raises(UsageError, match=r"the draft reads taps \[2, 4, 5\], the training data \[1, 4, 6\]"):
+        train(TrainConfig(steps=2, init_from=str(base), taps=(1, 4, 6), **FAST), target, prompts,
+              out=root / "never", progress=False)
+    with pytest.raises(UsageError, match="not an eaglewire draft checkpoint"):
+        train(TrainConfig(steps=2, init_from=str(root / "nowhere"), **FAST), target, prompts, out=root / "never",
+              progress=False)
+    assert not (root / "never").exists()
+

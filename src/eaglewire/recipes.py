@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from . import datagen, prompts, targets
+from . import checkpoint, datagen, prompts, targets
+from .decode import check_pair
 from .errors import EaglewireError, UsageError
 from .taps import TapContract
 from .metrics import print_summary
@@ -190,6 +191,8 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
     t = time.perf_counter()
     dev = str(dist.device)
     tgt = target if isinstance(target, targets.Target) else targets.load_target(target, device=dev)
+    if recipe.train.init_from:  # refused now rather than after minutes of regeneration
+        check_pair(tgt, *checkpoint.load_draft(recipe.train.init_from))
     t = stage("load target", t)
 
     src = Path(prompts_path) if prompts_path else (DEMO_PROMPTS if recipe.name == "demo" else sharegpt_file())
@@ -261,7 +264,7 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
                               "batches": batches},
               "train": {"steps": m["steps"], "stopped_early": m["stopped_early"], "tokens_per_s": m["tokens_per_s"],
                         "mfu": m["mfu"], "peak_tflops": PEAK_TFLOPS, "flops_per_token": m["flops_per_token"],
-                        "seconds": m["train_seconds"]},
+                        "seconds": m["train_seconds"], "init_from": cfg.init_from},
               "heldout": m["heldout"], "stages_s": stages, "total_s": round(time.perf_counter() - t0, 1),
               "world_size": dist.world, "checkpoint": str(result.checkpoint)}
     if not dist.main:
@@ -288,6 +291,8 @@ def _override(recipe: Recipe, args) -> Recipe:
             train_over[key] = json.loads(value)
         except json.JSONDecodeError:
             train_over[key] = value
+    if args.init_from is not None:
+        train_over["init_from"] = args.init_from
     if args.turns is not None and args.turns < 1:
         raise UsageError(f"--turns {args.turns}: keep at least 1 user turn per conversation")
     gen_over = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("batch_size", args.gen_batch_size),
@@ -328,6 +333,9 @@ def register(sub) -> None:
     datagen.add_engine_args(p, defaults=False)
     p.add_argument("--mode", choices=["datagen", "online"], default=None, help="offline shards or online training")
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole recipe")
+    p.add_argument("--init-from", metavar="CKPT",
+                   help="fine-tune this native draft (weights, vocabulary, shape) on the recipe's data instead of a "
+                        "new draft")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="override a training setting, e.g. --set epochs=3 --set lr=2e-4 (repeatable)")
     p.add_argument("--no-progress", action="store_true")

@@ -24,6 +24,7 @@ import torch
 
 from . import checkpoint, metrics, parallel, shards, targets, train_data, train_state
 from .capture import capture, locate
+from .decode import check_pair
 from .draft import DraftConfig, Eagle3Draft
 from .errors import EaglewireError, UsageError
 from .parallel import Dist
@@ -81,6 +82,9 @@ class _Run:
     def _corpus(self, data) -> train_data.Corpus:
         cfg, n = self.cfg, self.target.num_layers
         want = TapContract(n, cfg.taps) if cfg.taps is not None else None
+        if want is None and cfg.init_from:  # fine-tuning reads the draft's taps (a wrong target: check_pair says so)
+            draft_taps = checkpoint.load_meta(cfg.init_from).contract
+            want = draft_taps if draft_taps.num_layers == n else None
         if isinstance(data, (str, Path)) and Path(data).is_dir():
             if want is not None:
                 found = TapContract.from_dict(shards.read_manifest(data)["contract"])
@@ -93,6 +97,38 @@ class _Run:
         return train_data.build_online(self.target, data, contract, cfg.max_len, cfg.gen(), self.dist)
 
     def _draft(self) -> Eagle3Draft:
+        self.head = self.stack.lm_head
+        if self.head is None:
+            raise EaglewireError(f"--target {self.target.spec}: no lm_head found: the distillation target needs it")
+        draft = self._initial_draft() if self.cfg.init_from else self._new_draft()
+        draft.to(self.device)
+        self.draft_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=self.device))
+        return draft
+
+    def _initial_draft(self) -> Eagle3Draft:
+        """Fine-tuning: the checkpoint's weights, vocabulary and shape; it must fit this target and these taps."""
+        cfg, where = self.cfg, f"--init-from {self.cfg.init_from}"
+        draft, meta = checkpoint.load_draft(cfg.init_from, dtype=torch.float32)  # fp32 master weights
+        for line in check_pair(self.target, draft, meta):  # a fine-tuned target may differ in weights: say so
+            print(f"eaglewire train: warning: {line}", file=sys.stderr)
+        if meta.contract != self.contract:
+            raise UsageError(f"{where}: the draft reads taps {list(meta.contract.taps)}, the training data "
+                             f"{list(self.contract.taps)}: fine-tune on data with the draft's taps or train a new "
+                             "draft")
+        c, vocab = draft.config, self.target.config.vocab_size
+        for name, asked, has in (("draft_vocab_size", cfg.draft_vocab_size and min(cfg.draft_vocab_size, vocab),
+                                  c.draft_vocab_size), ("draft_layers", cfg.draft_layers, c.num_layers)):
+            if asked is not None and asked != has:
+                raise UsageError(f"{where}: its {name} is {has}, --{name.replace('_', '-')} asks for {asked}: "
+                                 "a fine-tuned draft keeps its shape (drop the flag)")
+        if cfg.draft_overrides:
+            raise UsageError(f"{where}: --draft-config does not apply to a fine-tuned draft (it keeps its shape)")
+        if cfg.max_len + cfg.ttt_steps > c.max_position_embeddings:
+            raise UsageError(f"{where}: draft.max_position_embeddings is {c.max_position_embeddings}, below --max-len "
+                             f"{cfg.max_len} + --ttt-steps {cfg.ttt_steps}: lower --max-len")
+        return draft.train()
+
+    def _new_draft(self) -> Eagle3Draft:
         cfg, tc = self.cfg, self.target.config
         V = tc.vocab_size
         size = min(cfg.draft_vocab_size or 32000, V)
@@ -107,11 +143,6 @@ class _Run:
         if dcfg.hidden_size == dcfg.target_hidden_size:
             draft.load_target_embedding(self.stack.embed.weight.detach().float().cpu())
         draft.set_vocab(d2t, t2d)
-        draft.to(self.device)
-        self.draft_ids = draft.draft_to_target(torch.arange(size, device=self.device))
-        self.head = self.stack.lm_head
-        if self.head is None:
-            raise EaglewireError(f"--target {self.target.spec}: no lm_head found: the distillation target needs it")
         return draft
 
     # -- one micro-batch -----------------------------------------------------------------------
@@ -431,6 +462,8 @@ def register(sub) -> None:
     g.add_argument("--draft-config", metavar="JSON",
                    help="other DraftConfig fields, e.g. '{\"norm_before_residual\": true}'")
     g.add_argument("--taps", default=None, help="canonical taps (default: the data's; online 2,N//2,N-3)")
+    g.add_argument("--init-from", metavar="CKPT",
+                   help="fine-tune this native draft (its weights, vocabulary and shape) instead of a new one")
     g = p.add_argument_group("evaluation, checkpoints, logging")
     g.add_argument("--eval-fraction", type=float, help="held-out share of the samples (default 0.05)")
     g.add_argument("--eval-every", type=int, help="steps between evaluations (default: 10 per run)")

@@ -37,6 +37,7 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # default min(32000, target vocab)
     draft_layers: int = 1
     draft_overrides: dict | None = None  # other DraftConfig fields (norm flags, hidden_size, ...)
+    init_from: str | None = None  # a native draft checkpoint to start from (weights and vocabulary): fine-tuning
     taps: tuple[int, ...] | None = None  # None: the data's (offline) or the default 2,N//2,N-3 (online)
     seed: int = 0
     eval_fraction: float = 0.05
