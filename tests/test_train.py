@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from eaglewire import cli, metrics, shards, targets, train_data
 from eaglewire.checkpoint import load_draft
 from eaglewire.datagen import run_datagen
 from eaglewire.errors import EaglewireError, UsageError
-from eaglewire.train import train
+from eaglewire.train import _Run, train
 from eaglewire.train_config import TrainConfig, lr_at
 from eaglewire.ttt import TTTModel, TTTSpec, soft_cross_entropy, target_side
 
@@ -468,3 +469,22 @@ def test_init_from_refuses_a_draft_of_another_shape_or_taps(target, data, prompt
               progress=False)
     assert not (root / "never").exists()
 
+
+def test_default_evaluations_follow_the_horizon_a_time_budget_moves():
+    """Ten evaluations a run by default, spaced over the horizon: when the clock moves the cosine's end
+    from step 1000 to step 300, evaluations come every 30 steps, not every 100 (two in the run)."""
+    def evaluations(cfg, horizon_at):
+        run = SimpleNamespace(cfg=cfg, horizon=horizon_at(0), evaluated_at=0)
+        run._eval_spacing = lambda: _Run._eval_spacing(run)
+        done_at = []
+        for done in range(1, 301):
+            run.horizon = horizon_at(done)
+            if _Run._eval_due(run, done):
+                done_at.append(done)
+                run.evaluated_at = done
+        return done_at
+
+    moved = lambda done: 1000 if done < 50 else 300  # noqa: E731
+    assert evaluations(TrainConfig(steps=1000), moved) == [50, 80, 110, 140, 170, 200, 230, 260, 290]
+    assert evaluations(TrainConfig(steps=1000), lambda done: 1000) == [100, 200, 300]
+    assert evaluations(TrainConfig(steps=1000, eval_every=70), moved) == [70, 140, 210, 280]  # as given

@@ -72,7 +72,6 @@ class _Run:
                                             cfg.batch_size, cfg.grad_accum * self.dist.world)
         self.total = self.schedule.total_steps(cfg.epochs, cfg.steps)
         self.horizon = self.total  # where the cosine ends: moved to the clock's end under a time budget
-        self.eval_every = cfg.eval_every or max(1, self.total // 10)
         self.ckpt_every = max(1, self.total // 10) if cfg.ckpt_every is None else cfg.ckpt_every
         mean_len = sum(self.corpus.lengths) / len(self.corpus)
         self.flops = flops_per_token(self.draft.config, self.target.model, cfg.ttt_steps, mean_len,
@@ -237,6 +236,7 @@ class _Run:
         bar = tqdm(total=self.total, initial=start, unit="step", desc="train", file=sys.stderr,
                    disable=not (self.progress and self.dist.main), dynamic_ncols=True)
         self.tick, self.logged_at = time.perf_counter(), start
+        self.evaluated_at = start - start % self._eval_spacing()  # a resumed run evaluates where it would have
         self.t_other = self.t_train = 0.0  # seconds in evals/saves since the last log; training seconds
         self.tokens_run, done, stopped = 0, start, None
         self.inner.train()
@@ -253,13 +253,22 @@ class _Run:
             if done == self.total or stopped:
                 break
             t = time.perf_counter()
-            if done % self.eval_every == 0:
+            if self._eval_due(done):
                 self._log_eval(done)
+                self.evaluated_at = done
             if self.ckpt_every and done % self.ckpt_every == 0:
                 self.save(done, acc)
             self.t_other += time.perf_counter() - t
         bar.close()
         return self._finish(done, stopped)
+
+    def _eval_due(self, done: int) -> bool:
+        """Every --eval-every steps; by default ten times a run, counted to the horizon so that a run the
+        clock stops early still gets its ten evaluations (the horizon is the same on every rank)."""
+        return done - self.evaluated_at >= self._eval_spacing()
+
+    def _eval_spacing(self) -> int:
+        return self.cfg.eval_every or max(1, self.horizon // 10)
 
     def _fresh_acc(self) -> dict:
         return {"counts": metrics.zeros(self.cfg.ttt_steps, self.device), "denom": 0, "tokens": 0}
