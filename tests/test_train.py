@@ -435,8 +435,8 @@ def test_online_regeneration_trains_on_the_targets_own_replies(target, prompts, 
 
 
 def test_init_from_fine_tunes_an_existing_draft_keeping_its_vocabulary(target, data, prompts, root):
-    """--init-from starts from a checkpoint's weights and draft vocabulary (as SpecForge's and EAGLE's
-    training scripts continue from a saved draft), not from a new draft with a vocabulary of its own."""
+    """--init-from starts from a checkpoint's weights and draft vocabulary, not from a new draft with a
+    vocabulary counted from the new data (a fine-tuned draft's d2t must stay what its head was trained on)."""
     base = train(TrainConfig(steps=6, draft_vocab_size=24, **FAST), target, data, out=root / "ft-base",
                  progress=False).checkpoint
     quiet = {**FAST, "lr": 1e-9, "warmup_steps": 0}
