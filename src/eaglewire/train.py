@@ -81,9 +81,6 @@ class _Run:
     def _corpus(self, data) -> train_data.Corpus:
         cfg, n = self.cfg, self.target.num_layers
         want = TapContract(n, cfg.taps) if cfg.taps is not None else None
-        if want is None and cfg.init_from:  # fine-tuning reads the draft's taps (a wrong target: check_pair says so)
-            draft_taps = checkpoint.load_meta(cfg.init_from).contract
-            want = draft_taps if draft_taps.num_layers == n else None
         if isinstance(data, (str, Path)) and Path(data).is_dir():
             if want is not None:
                 found = TapContract.from_dict(shards.read_manifest(data)["contract"])
@@ -92,6 +89,9 @@ class _Run:
                                      f"{data} (manifest.json 'contract'): train with the data's taps, or run datagen "
                                      "again with --taps")
             return train_data.open_offline(data, self.target.fingerprint, want, cfg.max_len)
+        if want is None and cfg.init_from:  # online fine-tuning captures the draft's taps (offline data has its own)
+            draft_taps = checkpoint.load_meta(cfg.init_from).contract
+            want = draft_taps if draft_taps.num_layers == n else None  # another target: check_pair says so
         contract = want or TapContract.default(n)
         return train_data.build_online(self.target, data, contract, cfg.max_len, cfg.gen(), self.dist)
 
