@@ -179,3 +179,12 @@ def test_init_from_is_checked_before_regeneration(target_dir, tmp_path, capsys):
                    "--device", "cpu", "--init-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])
     assert rc != 0 and "nowhere: not an eaglewire draft checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "out" / "prompts.jsonl").exists()
+
+
+def test_seed_reaches_prompt_writing_and_training():
+    """A further --init-from round needs self-written prompts the last round did not write: the
+    seed is what they are sampled under (run_recipe seeds with recipe.gen.seed)."""
+    default = recipes._override(recipes.RECIPES["full"], recipe_args("full"))
+    seeded = recipes._override(recipes.RECIPES["full"], recipe_args("full", "--seed", "7"))
+    assert (default.gen.seed, default.train.seed) == (0, 0)
+    assert (seeded.gen.seed, seeded.train.seed) == (7, 7)

@@ -204,7 +204,7 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
         have = {c[-1]["content"].strip() for c in convs if len(c) == 1}
         new = [[{"role": "user", "content": p}] for p in written if p.strip() not in have]
         convs += new
-        prompt_info["self_written"] = {"asked": recipe.self_prompts, "kept": len(new)}
+        prompt_info["self_written"] = {"asked": recipe.self_prompts, "kept": len(new), "seed": recipe.gen.seed}
     if dist.main:
         write_conversations(convs, out / "prompts.jsonl")
     t = stage("prompts", t)
@@ -293,11 +293,13 @@ def _override(recipe: Recipe, args) -> Recipe:
             train_over[key] = value
     if args.init_from is not None:
         train_over["init_from"] = args.init_from
+    if args.seed is not None:  # a fine-tuning round on fresh self-written prompts needs a seed of its own
+        train_over["seed"] = args.seed
     if args.turns is not None and args.turns < 1:
         raise UsageError(f"--turns {args.turns}: keep at least 1 user turn per conversation")
     gen_over = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("batch_size", args.gen_batch_size),
                                   ("batch_tokens", args.gen_batch_tokens), ("cache", args.gen_cache),
-                                  ("engine", args.gen_engine)) if v is not None}
+                                  ("engine", args.gen_engine), ("seed", args.seed)) if v is not None}
     if args.self_prompts is not None and args.self_prompts < 0:
         raise UsageError(f"--self-prompts {args.self_prompts}: give a count >= 0")
     rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s), ("turns", args.turns),
@@ -336,6 +338,9 @@ def register(sub) -> None:
     p.add_argument("--init-from", metavar="CKPT",
                    help="fine-tune this native draft (weights, vocabulary, shape) on the recipe's data instead of a "
                         "new draft")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the self-written prompts, of sampled replies and of training (default 0; another "
+                        "seed writes other prompts, e.g. for a further --init-from round)")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="override a training setting, e.g. --set epochs=3 --set lr=2e-4 (repeatable)")
     p.add_argument("--no-progress", action="store_true")
