@@ -324,6 +324,22 @@ def test_compiled_greedy_equals_target_greedy(llama, seqs, drafts):
     torch._dynamo.reset()
 
 
+def test_target_forwards_autotune_their_matmuls_on_cuda_only():
+    """The target's compiled forwards get torch's "max-autotune-no-cudagraphs" settings on CUDA (the
+    mode's own option list, so a torch that changes it shows here), quietly; the draft's and every
+    CPU compile keep inductor's defaults. torch.compile checks option names when it is called."""
+    import torch._inductor as inductor
+
+    from eaglewire.runners import compile_options
+
+    opts = compile_options(torch.device("cuda"), autotune=True)
+    assert inductor.list_mode_options("max-autotune-no-cudagraphs").items() <= opts.items()
+    assert opts.get("autotune_num_choices_displayed") == 0
+    torch.compile(lambda x: x, dynamic=False, options=opts)  # an unknown option name raises here
+    assert compile_options(torch.device("cpu"), autotune=True) == compile_options(torch.device("cuda"), False) == {}
+    assert TargetRunner.autotune and not DraftRunner.autotune
+
+
 def test_compile_failure_is_one_clear_error(llama, drafts, monkeypatch):
     dec = decode.SpecDecoder(llama, *drafts["trained"], compile=True, **CHAIN)
 
