@@ -208,6 +208,8 @@ def run_prompts(label: str, run, prompts: list[torch.Tensor], cfg: BenchConfig, 
     first forward of each new prompt length picks kernels: measured ~0.25 s per prompt on an H200).
     """
     if cfg.warmup:
+        log(f"eaglewire bench: {label}: warm-up" + (" (compiling every shape it meets: a minute or more the first "
+                                                    "time)" if device.type == "cuda" else ""))
         longest = max(prompts, key=lambda p: p.shape[1])
         run(longest, cfg.max_new_tokens if device.type == "cuda" else min(cfg.max_new_tokens, 8), cfg.seed)
         for ids in prompts:
