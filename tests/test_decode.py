@@ -135,14 +135,19 @@ def tree_block(parents):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "deepseek_v3", "gemma", "multimodal", "llama-eager"])
-@pytest.mark.parametrize("static", [False, True])
-def test_target_runner_matches_full_forward(family, static):
+@pytest.mark.parametrize("static, chunk", [(False, None), (True, None), (True, 5), (True, 3)],
+                         ids=["exact", "static", "chunks-overlap", "chunks-even"])
+def test_target_runner_matches_full_forward(family, static, chunk):
     """Prefill, a tree block with branches, a kept branch, then more tokens: logits and taps equal
-    a plain forward over each path (transformers' own masks, no cache)."""
+    a plain forward over each path (transformers' own masks, no cache). A static runner prefills in
+    chunks: one padded chunk for the 6-token prompt, or chunks of 5 (the last one rewriting rows
+    1-4) and of 3."""
     m = tiny_model(family.split("-")[0])
     if family.endswith("eager"):
         m.set_attn_implementation("eager")
     r = TargetRunner(m, CONTRACT, static=static, cuda_graphs=False, sizes=(1, 4, 8))
+    if chunk:
+        r.prefill_chunk = chunk
     r.reset(32)
     prompt = [5, 17, 99, 3, 42, 7]
 
@@ -152,6 +157,7 @@ def test_target_runner_matches_full_forward(family, static):
 
     with no_hooks_left(m):
         logits, taps = r.prefill(torch.tensor(prompt))
+    assert ((r.prefill_chunk, ("ids",)) in r._static) == static
     L, T = ref(prompt)
     torch.testing.assert_close(logits, L[-1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(taps, T, atol=1e-5, rtol=1e-5)
@@ -231,6 +237,18 @@ def test_one_replay_drafting_drafts_what_step_by_step_drafting_does(llama, seqs,
     assert 0 in accepted and max(accepted) == (shape.get("K") or shape["depth"])  # rejections and full rounds
 
 
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_greedy_after_a_prefill_in_chunks(llama, seqs, drafts, shape):
+    """Prompts of 1 to 9 tokens prefilled 3 rows at a time (overlapping last chunks included), then
+    decoded: target-only greedy, with the draft and without."""
+    dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    dec.verifier.prefill_chunk = dec.plain.prefill_chunk = 3
+    for p in prompts(seqs):
+        ref = reference_greedy(llama.model, p, 16)
+        assert dec.generate(p, 16).tokens == ref, p
+        assert dec.generate_plain(p, 16).tokens == ref, p
+
+
 @pytest.mark.parametrize("shape", [dict(mode="chain", K=1), dict(mode="chain", K=9),
                                    dict(mode="tree", depth=1, topk=4, budget=4),
                                    dict(mode="tree", depth=5, topk=2, budget=3),
@@ -294,10 +312,11 @@ def test_fake_cuda_graphs_replay_static_buffers(llama, seqs, drafts, monkeypatch
             ref = reference_greedy(llama.model, p, 24)
             assert dec.generate(p, 24).tokens == ref
             assert dec.generate_plain(p, 24).tokens == ref
-    # per decoder: one verify graph and one plain graph; the draft's extends (taps) and steps (hidden);
-    # the tree decoder also moves accepted branches down in one graph (replayed: the tokens above hold)
+    # per decoder: one verify graph, one plain graph and a prefill-chunk graph for each of those two
+    # runners; the draft's extends (taps) and steps (hidden); the tree decoder also moves accepted
+    # branches down in one graph (replayed: the tokens above hold)
     assert "move" in dec.verifier._static and captured.count("DraftRunner") >= 4
-    assert captured.count("TargetRunner") == 5
+    assert captured.count("TargetRunner") == 9
 
 
 def test_compiled_greedy_equals_target_greedy(llama, seqs, drafts):
@@ -307,6 +326,7 @@ def test_compiled_greedy_equals_target_greedy(llama, seqs, drafts):
 
     torch._dynamo.reset()
     ps = prompts(seqs)[1:4]  # 4, 4 and 1 prompt tokens (an extend of one row: a size of its own)
+    seen = set()
     for shape in (CHAIN, TREE):
         before = counters["stats"]["unique_graphs"]
         dec = decode.SpecDecoder(llama, *drafts["trained"], compile=True, **shape)
@@ -317,7 +337,11 @@ def test_compiled_greedy_equals_target_greedy(llama, seqs, drafts):
             if shape is CHAIN:
                 assert dec.generate_plain(p, 20).tokens == ref
         compiled = counters["stats"]["unique_graphs"] - before
-        assert compiled == sum(len(r._static) for r in (dec.verifier, dec.drafter, dec.plain)), shape
+        # the same kind of runner at the same shapes reuses the graph (the chain decoder's prefill chunks)
+        kinds = {(type(r), getattr(r, "contract", 0) is None, r.max_pending, k)
+                 for r in (dec.verifier, dec.drafter, dec.plain) for k in r._static}
+        assert compiled == len(kinds - seen) > 0, shape
+        seen |= kinds
         for p in ps:
             dec.generate(p, 20)
         assert counters["stats"]["unique_graphs"] - before == compiled, shape  # no recompilation
