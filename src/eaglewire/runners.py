@@ -386,8 +386,8 @@ class TargetRunner(SlotRunner):
     or (logits,) alone when the contract is None (plain decoding captures no taps).
 
     Its compiled forwards autotune their matmuls on CUDA: SmolLM2-135M on the H200, a plain step's
-    replay 1.172 -> 0.994 ms, the same tokens (docs/PERFORMANCE.md), for ~5 s of compilation per
-    matmul shape (cached on disk by inductor). The draft's functions are not autotuned (unmeasured)."""
+    replay 1.172 -> 0.994 ms, the same tokens (docs/PERFORMANCE.md), for about a minute of compilation
+    per graph (inductor keeps the results on disk). The draft's functions are not autotuned (unmeasured)."""
 
     autotune = True
     prefill_chunk = 128  # rows per static prefill forward: one more compiled size (see prefill)
