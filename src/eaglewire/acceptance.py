@@ -162,11 +162,21 @@ def _sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torc
     return torch.multinomial(probs.float(), 1, generator=generator).squeeze(1)
 
 
+def _read_back(*tensors: torch.Tensor) -> list[list[int]]:
+    """1-d integer tensors as lists, in ONE device-to-host copy (each copy waits for the device)."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors]).tolist()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()])
+        at += t.numel()
+    return out
+
+
 def _first_mismatch(draft_tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[int, int]:
     """Accept while draft_tokens[i] == chosen[i]; return (n, chosen[n]). chosen is (K+1,)."""
-    chosen = chosen.tolist()
+    chosen, drafted = _read_back(chosen, draft_tokens.to(chosen.device))
     n = 0
-    for d in draft_tokens.tolist():
+    for d in drafted:
         if d != chosen[n]:
             break
         n += 1
@@ -175,9 +185,9 @@ def _first_mismatch(draft_tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[i
 
 def _walk(tree: DraftTree, chosen: torch.Tensor) -> tuple[list[int], int]:
     """Descend from the root while some child's token equals chosen[row]; chosen is (n+1,)."""
-    chosen = chosen.tolist()
+    chosen, parents, tokens = _read_back(chosen, tree.parents.to(chosen.device), tree.tokens.to(chosen.device))
     children: dict[tuple[int, int], int] = {}  # (parent row, token) -> first such child
-    for i, (par, tok) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+    for i, (par, tok) in enumerate(zip(parents, tokens)):
         children.setdefault((par + 1, tok), i)
     path, row = [], 0
     while (child := children.get((row, chosen[row]))) is not None:

@@ -244,9 +244,14 @@ class SpecDecoder:
             logits, taps = v.forward({"ids": ids}, v.length + rel, block)
         path, nxt = self._accept(tree, q, logits, sampling, gen)
         rows = [0] + [1 + i for i in path]
-        v.commit(rows)
-        tokens = tree.tokens[path].tolist() + [nxt]
-        return path, tokens, (taps[rows], torch.tensor(tokens, device=self.device))
+        if path == list(range(len(path))):  # a chain, or a tree's first branch: slices, no gathers
+            v.commit(len(rows))
+            taps, accepted = taps[:len(rows)], tree.tokens[:len(path)]
+        else:
+            v.commit(rows)
+            taps, accepted = taps[rows], tree.tokens[path]
+        tokens = accepted.tolist() + [nxt]
+        return path, tokens, (taps, torch.tensor(tokens, device=self.device))
 
     def _accept(self, tree: DraftTree, q, logits, sampling: SamplingParams, gen) -> tuple[list[int], int]:
         """acceptance.py's verdict: (accepted node indices, next token)."""
