@@ -1,4 +1,4 @@
-"""SpecDecoder and its slot runners on tiny random models (fp32, CPU).
+"""SpecDecoder on tiny random models (fp32, CPU); its slot runners alone: test_runners.py.
 
 Greedy speculative output must equal target-only greedy output token for token (a full forward
 per token, no cache: the reference shares no code with the decoder); sampling must be lossless
@@ -15,11 +15,10 @@ import torch
 import eaglewire.decode as decode
 from eaglewire.acceptance import SamplingParams, logits_to_probs
 from eaglewire.capture import capture
-from conftest import no_hooks_left
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.errors import UsageError
-from eaglewire.runners import CompileError, DraftRunner, SlotRunner, TargetRunner
+from eaglewire.runners import CompileError, SlotRunner
 from eaglewire.targets import Target, fingerprint
 from eaglewire.taps import TapContract
 from eaglewire.vocab import target_to_draft_ids
@@ -120,80 +119,6 @@ def drafts(llama, seqs, tmp_path_factory):
 def prompts(seqs):
     g = torch.Generator().manual_seed(7)
     return [s[:4].tolist() for s in seqs[:3]] + [torch.randint(0, 128, (n,), generator=g).tolist() for n in (1, 5, 9)]
-
-
-# --- runners --------------------------------------------------------------------------------------
-
-def tree_block(parents):
-    """(n, n) bool: row i sees itself and its ancestors (parents[i] < i, -1 for none)."""
-    block = torch.zeros(len(parents), len(parents), dtype=torch.bool)
-    for i in range(len(parents)):
-        j = i
-        while j >= 0:
-            block[i, j], j = True, parents[j]
-    return block
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "deepseek_v3", "gemma", "multimodal", "llama-eager"])
-@pytest.mark.parametrize("static, chunk", [(False, None), (True, None), (True, 5), (True, 3)],
-                         ids=["exact", "static", "chunks-overlap", "chunks-even"])
-def test_target_runner_matches_full_forward(family, static, chunk):
-    """Prefill, a tree block with branches, a kept branch, then more tokens: logits and taps equal
-    a plain forward over each path (transformers' own masks, no cache). A static runner prefills in
-    chunks: one padded chunk for the 6-token prompt, or chunks of 5 (the last one rewriting rows
-    1-4) and of 3."""
-    m = tiny_model(family.split("-")[0])
-    if family.endswith("eager"):
-        m.set_attn_implementation("eager")
-    r = TargetRunner(m, CONTRACT, static=static, cuda_graphs=False, sizes=(1, 4, 8))
-    if chunk:
-        r.prefill_chunk = chunk
-    r.reset(32)
-    prompt = [5, 17, 99, 3, 42, 7]
-
-    def ref(seq):
-        cap = capture(m, torch.tensor(seq)[None], CONTRACT, logits=True)
-        return cap.logits[0], cap.taps[0]
-
-    with no_hooks_left(m):
-        logits, taps = r.prefill(torch.tensor(prompt))
-    assert ((r.prefill_chunk, ("ids",)) in r._static) == static
-    L, T = ref(prompt)
-    torch.testing.assert_close(logits, L[-1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(taps, T, atol=1e-5, rtol=1e-5)
-    # [root 10] -> 11 -> 13, and 12 under the root: rows see their ancestors only
-    logits, taps = r.forward({"ids": torch.tensor([10, 11, 12, 13])}, r.length + torch.tensor([0, 1, 1, 2]),
-                             tree_block([-1, 0, 0, 1]))
-    for row, path in enumerate([[10], [10, 11], [10, 12], [10, 11, 13]]):
-        L, T = ref(prompt + path)
-        torch.testing.assert_close(logits[row], L[-1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(taps[row], T[-1], atol=1e-5, rtol=1e-5)
-    r.commit([0, 2])  # keep 10, 12: slot of 12 copied down over 11's
-    logits, _ = r.forward({"ids": torch.tensor([20, 21])}, r.length + torch.arange(2),
-                          torch.ones(2, 2, dtype=torch.bool).tril())
-    torch.testing.assert_close(logits, ref(prompt + [10, 12, 20, 21])[0][-2:], atol=1e-5, rtol=1e-5)
-    assert r.length == 8 and r.pending == 2
-
-
-@pytest.mark.parametrize("static", [False, True])
-def test_draft_runner_matches_uncached_draft(llama, static):
-    d = new_draft(llama.model, draft_vocab=100)
-    seq, taps = torch.randint(0, 128, (12,)), torch.randn(12, 96)
-    full, _ = d(seq[None], d.fuse(taps[None]), torch.arange(12)[None])
-    r = DraftRunner(d, static=static, cuda_graphs=False, sizes=(1, 4), max_pending=4)
-    r.reset(32)
-    logits, h = r.forward({"ids": seq[:8], "taps": taps[:8]}, torch.arange(8),
-                          torch.ones(8, 8, dtype=torch.bool).tril())
-    r.commit(8)
-    torch.testing.assert_close(logits, full[0, :8], atol=1e-5, rtol=1e-5)
-    # a speculative step on the draft's own hidden state, then dropped: the extend after it is unaffected
-    step, _ = r.forward({"ids": seq[8:9], "hidden": h[-1:]}, torch.tensor([8]), torch.ones(1, 1, dtype=torch.bool))
-    own, _ = d(seq[None, :9], torch.cat([d.fuse(taps[None, :8]), h[None, -1:]], 1), torch.arange(9)[None])
-    torch.testing.assert_close(step, own[0, -1:], atol=1e-5, rtol=1e-5)
-    r.commit(0)
-    logits, _ = r.forward({"ids": seq[8:11], "taps": taps[8:11]}, torch.arange(8, 11),
-                          torch.ones(3, 3, dtype=torch.bool).tril())
-    torch.testing.assert_close(logits, full[0, 8:11], atol=1e-5, rtol=1e-5)
 
 
 # --- greedy: token for token ----------------------------------------------------------------------
@@ -346,22 +271,6 @@ def test_compiled_greedy_equals_target_greedy(llama, seqs, drafts):
             dec.generate(p, 20)
         assert counters["stats"]["unique_graphs"] - before == compiled, shape  # no recompilation
     torch._dynamo.reset()
-
-
-def test_target_forwards_autotune_their_matmuls_on_cuda_only():
-    """The target's compiled forwards get torch's "max-autotune-no-cudagraphs" settings on CUDA (the
-    mode's own option list, so a torch that changes it shows here), quietly; the draft's and every
-    CPU compile keep inductor's defaults. torch.compile checks option names when it is called."""
-    import torch._inductor as inductor
-
-    from eaglewire.runners import compile_options
-
-    opts = compile_options(torch.device("cuda"), autotune=True)
-    assert inductor.list_mode_options("max-autotune-no-cudagraphs").items() <= opts.items()
-    assert opts.get("autotune_num_choices_displayed") == 0
-    torch.compile(lambda x: x, dynamic=False, options=opts)  # an unknown option name raises here
-    assert compile_options(torch.device("cpu"), autotune=True) == compile_options(torch.device("cuda"), False) == {}
-    assert TargetRunner.autotune and not DraftRunner.autotune
 
 
 def test_compile_failure_is_one_clear_error(llama, drafts, monkeypatch):

@@ -244,11 +244,10 @@ class SpecDecoder:
             logits, taps = v.forward({"ids": ids}, v.length + rel, block)
         path, nxt = self._accept(tree, q, logits, sampling, gen)
         rows = [0] + [1 + i for i in path]
-        if path == list(range(len(path))):  # a chain, or a tree's first branch: slices, no gathers
-            v.commit(len(rows))
+        v.commit(rows)
+        if path == list(range(len(path))):  # a chain, or a tree's first nodes: slices, no gathers
             taps, accepted = taps[:len(rows)], tree.tokens[:len(path)]
         else:
-            v.commit(rows)
             taps, accepted = taps[rows], tree.tokens[path]
         tokens = accepted.tolist() + [nxt]
         return path, tokens, (taps, torch.tensor(tokens, device=self.device))

@@ -36,6 +36,9 @@ from .tree import DraftTree, grow, prune, tree_attention
 from .targets import cache_kwarg, text_config
 
 
+CACHE_ROUNDING = 256  # cache lengths are rounded up to this: nearby lengths keep buffers and graphs
+
+
 @dataclass
 class _Book:
     """What a runner tells its cache before each forward."""
@@ -211,7 +214,7 @@ class SlotRunner:
         """Forget the sequence; make room for `capacity` committed tokens plus one round's rows."""
         need = capacity + self.headroom
         if self.book.max_len < need:
-            self.book.max_len = -(-need // 256) * 256  # rounded: nearby lengths keep buffers and graphs
+            self.book.max_len = -(-need // CACHE_ROUNDING) * CACHE_ROUNDING
             self._new_cache()
             self._static.clear()
         self.length = self.pending = 0
@@ -455,7 +458,7 @@ class TargetRunner(SlotRunner):
 
     def _prefill_chunks(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         p, c = ids.shape[0], self.prefill_chunk
-        assert c <= 256 <= self.book.max_len, "a chunk padded past a short prompt must fit the cache"
+        assert c <= CACHE_ROUNDING <= self.book.max_len, "a chunk padded past a short prompt must fit the cache"
         taps = []
         for begin in range(0, p, c):
             first = min(begin, max(p - c, 0))
