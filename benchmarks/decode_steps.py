@@ -25,6 +25,7 @@ import torch
 from eaglewire import __version__, targets
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.decode import SpecDecoder
+from eaglewire.runners import DraftRunner, TargetRunner
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.taps import TapContract
 
@@ -94,10 +95,14 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="eager forwards inside the graphs")
     p.add_argument("--no-fuse-projections", action="store_true", help="q/k/v and gate/up apart (default: fused "
                    "for targets up to 1B parameters)")
+    p.add_argument("--autotune", choices=["target", "none", "all"], default="target",
+                   help="whose compiled step forwards autotune their matmuls on CUDA (default: the target's, as "
+                   "the decoder ships); run once per choice to A/B it")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
 
+    TargetRunner.autotune, DraftRunner.autotune = a.autotune != "none", a.autotune == "all"
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t = targets.load_target(a.target, device=device)
     dtype = next(t.model.parameters()).dtype
@@ -119,7 +124,7 @@ def main(argv=None) -> int:
         rows[name] = measure(dec, ids, a.new, a.repeats, plain=shape is None)
 
     print(f"decode rounds: {a.target} {str(dtype).split('.')[-1]} on "
-          f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}, "
+          f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}, autotune={a.autotune}, "
           f"fused projections={dec.fused_projections}")
     print(f"{'mode':<24}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
     for name, r in rows.items():

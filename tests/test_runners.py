@@ -102,3 +102,50 @@ def test_target_forwards_autotune_their_matmuls_on_cuda_only():
     torch.compile(lambda x: x, dynamic=False, options=opts)  # an unknown option name raises here
     assert compile_options(torch.device("cpu"), autotune=True) == compile_options(torch.device("cuda"), False) == {}
     assert TargetRunner.autotune and not DraftRunner.autotune
+
+
+def test_prefill_sizes_compile_without_autotuning(monkeypatch):
+    """A prefill chunk's size runs once a prompt, so it goes through a compiled function without
+    autotuning (a minute of compilation a graph on CUDA); decode steps go through the autotuned one.
+    On CUDA the two are separate torch.compile wrappers, on a CPU the same (nothing is autotuned)."""
+    import eaglewire.runners as runners
+
+    asked = []
+    monkeypatch.setattr(runners, "compile_options", lambda device, autotune: asked.append(autotune) or {})
+
+    class Tuned(runners.SlotRunner):
+        autotune = True
+
+    cuda = Tuned(torch.device("cuda"), static=True, cuda_graphs=False, sizes=(1,), compile=True)
+    assert asked == [True, False] and cuda._compiled_once is not cuda._compiled  # torch.compile is lazy
+    r = TargetRunner(tiny_model("llama"), CONTRACT, static=True, cuda_graphs=False, sizes=(1,), compile=True)
+    assert r._compiled_once is r._compiled
+    calls = []
+    r._compiled = lambda feed, view_len: calls.append(("step", feed["pos"].shape[1])) or r._masked_forward(feed, view_len)
+    r._compiled_once = lambda feed, view_len: calls.append(("once", feed["pos"].shape[1])) or r._masked_forward(feed, view_len)
+    r.prefill_chunk = 4
+    r.reset(32)
+    r.prefill(torch.tensor([5, 17, 99, 3, 42, 7]))
+    r.forward({"ids": torch.tensor([10])}, torch.tensor([r.length]))
+    # the first call after a new cache runs eagerly (it allocates the K/V buffers), so no third "once"
+    assert calls == [("once", 4), ("step", 1)], calls
+
+
+def test_autotuning_skips_are_not_logged_as_errors():
+    """Inductor logs each matmul template it skips while autotuning as an ERROR (torch/_inductor/
+    select_algorithm.py, "Runtime error during autotuning ... Ignoring this choice."); those records
+    are dropped once the target's options are asked for, the logger's other records are not."""
+    import logging
+
+    from eaglewire.runners import compile_options
+
+    compile_options(torch.device("cuda"), autotune=True)
+    compile_options(torch.device("cuda"), autotune=True)
+    log = logging.getLogger("torch._inductor.select_algorithm")
+    assert len(log.filters) == 1
+
+    def passes(msg):
+        return log.filter(logging.LogRecord(log.name, logging.ERROR, __file__, 1, msg, ("x",), None))
+
+    assert not passes("Runtime error during autotuning: \n%s. \nIgnoring this choice.")
+    assert passes("something else went wrong: %s")

@@ -24,6 +24,7 @@ and sdpa attention); taps come from `capture.TapHooks` around the forward. `Draf
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -143,7 +144,22 @@ def compile_options(device: torch.device, autotune: bool) -> dict:
         return {}
     import torch._inductor.config as inductor
 
+    _quiet_skipped_choices()
     return {k: v for k, v in AUTOTUNE.items() if hasattr(inductor, k)}
+
+
+class _SkippedChoice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Ignoring this choice" not in record.getMessage()
+
+
+def _quiet_skipped_choices() -> None:
+    """Inductor logs every matmul template it skips while autotuning (e.g. a tiling that needs more shared
+    memory than the GPU has) as an ERROR with its traceback: dozens of alarming lines for choices it
+    simply does not take. Only those records are dropped; the logger's other messages stay."""
+    log = logging.getLogger("torch._inductor.select_algorithm")
+    if not any(isinstance(f, _SkippedChoice) for f in log.filters):
+        log.addFilter(_SkippedChoice())
 
 
 class CompileError(EaglewireError):
@@ -194,8 +210,14 @@ class SlotRunner:
         self._pool = None
         # dynamic=False: one graph per padded size; shapes never vary within one
         self.compiles = compile
-        self._compiled = torch.compile(self._traced(), dynamic=False,
-                                       options=compile_options(device, self.autotune)) if compile else None
+        self._compiled = self._compile(self.autotune) if compile else None
+        # Sizes outside `sizes` (a prefill chunk) run once a prompt: autotuning their matmuls would cost a
+        # minute of compilation each to save microseconds. A wrapper of its own: dynamo recompiles for it.
+        tunes = compile and self.autotune and device.type == "cuda"
+        self._compiled_once = self._compile(False) if tunes else self._compiled
+
+    def _compile(self, autotune: bool):
+        return torch.compile(self._traced(), dynamic=False, options=compile_options(self.device, autotune))
 
     def _traced(self):
         """The function torch.compile traces: _masked_forward."""
@@ -338,13 +360,14 @@ class SlotRunner:
             return allowed[None, None]
         return additive_mask(allowed, self.mask_dtype)[None, None]
 
-    def _call(self, feed: dict[str, torch.Tensor], view_len: int, compiled: bool = True) -> tuple[torch.Tensor, ...]:
-        """_masked_forward, compiled if the runner compiles. The first call after a new cache runs
-        eagerly: it allocates the K/V buffers, which the compiled function must find in place (else
-        its guard `keys is None` recompiles)."""
+    def _call(self, feed: dict[str, torch.Tensor], view_len: int, compiled: bool = True,
+              step: bool = True) -> tuple[torch.Tensor, ...]:
+        """_masked_forward, compiled if the runner compiles (autotuned for a decode step's size, not for a
+        size run once a prompt). The first call after a new cache runs eagerly: it allocates the K/V
+        buffers, which the compiled function must find in place (else its guard `keys is None` recompiles)."""
         if not compiled or self._compiled is None or any(layer.keys is None for layer in self._layers()):
             return self._masked_forward(feed, view_len)
-        return self._guarded(self._compiled, feed, view_len)
+        return self._guarded(self._compiled if step else self._compiled_once, feed, view_len)
 
     def _guarded(self, compiled_fn, *args):
         """Call a torch.compile'd function; fail, never fall back to eager: a silent fallback would
@@ -366,7 +389,7 @@ class SlotRunner:
             inputs.update(pos=torch.zeros(1, ts, dtype=torch.long, device=dev),
                           block=torch.eye(ts, self.max_pending + ts, dtype=torch.bool, device=dev),
                           at=torch.tensor([0, s - ts], device=dev))  # capture writes land in scratch slots
-            self._static[key] = self._make_static(inputs, lambda: self._call(inputs, s))
+            self._static[key] = self._make_static(inputs, lambda: self._call(inputs, s, step=ts in self.sizes))
         return self._static[key]
 
     def _make_static(self, inputs: dict[str, torch.Tensor], fn) -> _Static:
@@ -388,9 +411,10 @@ class TargetRunner(SlotRunner):
     """An HF causal LM; `forward({"ids": (T,)}, ...)` returns (logits (T, V) fp32, taps (T, n*H)),
     or (logits,) alone when the contract is None (plain decoding captures no taps).
 
-    Its compiled forwards autotune their matmuls on CUDA: SmolLM2-135M on the H200, a plain step's
+    Its compiled step forwards autotune their matmuls on CUDA: SmolLM2-135M on the H200, a plain step's
     replay 1.172 -> 0.994 ms, the same tokens (docs/PERFORMANCE.md), for about a minute of compilation
-    per graph (inductor keeps the results on disk). The draft's functions are not autotuned (unmeasured)."""
+    per graph (inductor keeps the results on disk). Its prefill size and the draft's functions are not
+    autotuned (benchmarks/decode_steps.py --autotune times the choice)."""
 
     autotune = True
     prefill_chunk = 128  # rows per static prefill forward: one more compiled size (see prefill)
@@ -427,13 +451,13 @@ class TargetRunner(SlotRunner):
         graph traced without them (e.g. the plain runner's, at the same prefill size) and lose the taps."""
         return self._masked_forward(feed, view_len)
 
-    def _call(self, feed, view_len, compiled=True):
+    def _call(self, feed, view_len, compiled=True, step=True):
         if self.contract is None:
-            return super()._call(feed, view_len, compiled)
+            return super()._call(feed, view_len, compiled, step)
         # The hooks go on outside the compiled function: dynamo traces hooks it finds on the modules
         # (registering them inside would break the graph), and their captures become its outputs.
         with TapHooks(self.stack, self.contract) as hooks:
-            logits, = super()._call(feed, view_len, compiled)
+            logits, = super()._call(feed, view_len, compiled, step)
         return logits, hooks.taps
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -498,7 +522,8 @@ class DraftRunner(SlotRunner):
             s, dev = self.book.max_len, self.device
             inputs = {"root": torch.zeros_like(root, device=dev), "hidden": torch.zeros_like(hidden, device=dev),
                       "pos": torch.zeros(1, dtype=torch.long, device=dev), "at": torch.tensor([s - scratch], device=dev)}
-            compiled = torch.compile(fn, dynamic=False) if self.compiles else None
+            compiled = torch.compile(fn, dynamic=False, options=compile_options(dev, self.autotune)) \
+                if self.compiles else None
             run = (lambda: self._guarded(compiled, inputs, *args)) if compiled is not None else \
                 (lambda: fn(inputs, *args))
             self._static[key] = self._make_static(inputs, run)
