@@ -25,8 +25,8 @@ import torch
 from eaglewire import __version__, targets
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.decode import SpecDecoder
-from eaglewire.runners import DraftRunner, TargetRunner
 from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.runners import DraftRunner, TargetRunner
 from eaglewire.taps import TapContract
 
 
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
         rows[name] = measure(dec, ids, a.new, a.repeats, plain=shape is None)
 
     print(f"decode rounds: {a.target} {str(dtype).split('.')[-1]} on "
-          f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}, autotune={a.autotune}, "
-          f"fused projections={dec.fused_projections}")
+          f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}, "
+          f"autotune={a.autotune}, fused projections={dec.fused_projections}")
     print(f"{'mode':<24}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
     for name, r in rows.items():
         g = sum(r["graphs"].values()) if r.get("graphs") else None

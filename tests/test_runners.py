@@ -121,8 +121,11 @@ def test_prefill_sizes_compile_without_autotuning(monkeypatch):
     r = TargetRunner(tiny_model("llama"), CONTRACT, static=True, cuda_graphs=False, sizes=(1,), compile=True)
     assert r._compiled_once is r._compiled
     calls = []
-    r._compiled = lambda feed, view_len: calls.append(("step", feed["pos"].shape[1])) or r._masked_forward(feed, view_len)
-    r._compiled_once = lambda feed, view_len: calls.append(("once", feed["pos"].shape[1])) or r._masked_forward(feed, view_len)
+
+    def spy(kind):
+        return lambda feed, view_len: calls.append((kind, feed["pos"].shape[1])) or r._masked_forward(feed, view_len)
+
+    r._compiled, r._compiled_once = spy("step"), spy("once")
     r.prefill_chunk = 4
     r.reset(32)
     r.prefill(torch.tensor([5, 17, 99, 3, 42, 7]))
