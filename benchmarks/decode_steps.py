@@ -3,6 +3,7 @@ graphs it replays, for plain decoding, a greedy chain and an EAGLE-2 tree, on th
 
     python benchmarks/decode_steps.py --target smollm2-135m --draft CKPT --json out.json
     python benchmarks/decode_steps.py --random-draft --json out.json      # any target, no checkpoint
+    python benchmarks/decode_steps.py --draft CKPT --modes chain --autotune target,none   # an A/B in one process
 
 A round that costs far more than its replays is bound by host work between them (input copies,
 tree bookkeeping, the acceptance sync); one that costs about its replays is bound by the kernels
@@ -63,19 +64,39 @@ def replays(runner) -> dict[str, object]:
     return {str(k): st.run for k, st in runner._static.items() if st.outputs is not None}
 
 
-def measure(dec: SpecDecoder, ids: torch.Tensor, new: int, repeats: int, plain: bool) -> dict:
-    run = dec.generate_plain if plain else dec.generate
-    run(ids, new)  # warm-up: compiles and captures every size this prompt meets
-    results = [run(ids, new) for _ in range(repeats)]
-    best = min(results, key=lambda r: r.timings["step_ms"])
-    row = {"round_ms": best.timings["step_ms"], "tokens_per_s": best.timings["decode_tokens_per_s"],
-           "acceptance_length": None if plain else best.acceptance_length,
-           "round_ms_median": statistics.median(r.timings["step_ms"] for r in results)}
-    if dec.device.type == "cuda":
-        runners = [dec.plain] if plain else [dec.drafter, dec.verifier]
-        graphs = {f"{type(r).__name__}{k}": fn for r in runners for k, fn in replays(r).items()}
-        row["graphs"] = {k: graph_ms([fn]) for k, fn in graphs.items()}
-    return row
+AUTOTUNE = {"target": (True, False), "none": (False, False), "all": (True, True)}  # (target's, draft's)
+
+
+def warmed(make, choice: str, ids: torch.Tensor, new: int, plain: bool) -> SpecDecoder:
+    """A decoder built and warmed up (every size this prompt meets compiled and captured) under one
+    autotuning choice: runners bind it when they create their compiled functions, during the warm-up."""
+    TargetRunner.autotune, DraftRunner.autotune = AUTOTUNE[choice]
+    try:
+        dec = make()
+        (dec.generate_plain if plain else dec.generate)(ids, new)
+    finally:
+        TargetRunner.autotune, DraftRunner.autotune = AUTOTUNE["target"]
+    return dec
+
+
+def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: int, plain: bool) -> dict:
+    """Each warmed decoder timed `repeats` times, in turn (a drift of the machine hits every arm alike)."""
+    results = {k: [] for k in decs}
+    for _ in range(repeats):
+        for k, dec in decs.items():
+            results[k].append((dec.generate_plain if plain else dec.generate)(ids, new))
+    rows = {}
+    for k, dec in decs.items():
+        best = min(results[k], key=lambda r: r.timings["step_ms"])
+        row = {"round_ms": best.timings["step_ms"], "tokens_per_s": best.timings["decode_tokens_per_s"],
+               "acceptance_length": None if plain else best.acceptance_length,
+               "round_ms_median": statistics.median(r.timings["step_ms"] for r in results[k])}
+        if dec.device.type == "cuda":
+            runners = [dec.plain] if plain else [dec.drafter, dec.verifier]
+            graphs = {f"{type(r).__name__}{key}": fn for r in runners for key, fn in replays(r).items()}
+            row["graphs"] = {key: graph_ms([fn]) for key, fn in graphs.items()}
+        rows[k] = row
+    return rows
 
 
 def main(argv=None) -> int:
@@ -95,14 +116,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="eager forwards inside the graphs")
     p.add_argument("--no-fuse-projections", action="store_true", help="q/k/v and gate/up apart (default: fused "
                    "for targets up to 1B parameters)")
-    p.add_argument("--autotune", choices=["target", "none", "all"], default="target",
-                   help="whose compiled step forwards autotune their matmuls on CUDA (default: the target's, as "
-                   "the decoder ships); run once per choice to A/B it")
+    p.add_argument("--autotune", default="target", metavar="CHOICES",
+                   help="whose compiled step forwards autotune their matmuls on CUDA: target (as the decoder "
+                   "ships), none, all; a comma-separated list times each choice in turn, in this process")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
 
-    TargetRunner.autotune, DraftRunner.autotune = a.autotune != "none", a.autotune == "all"
+    choices = a.autotune.split(",")
+    if not set(choices) <= set(AUTOTUNE):
+        p.error(f"--autotune {a.autotune}: choose from {', '.join(AUTOTUNE)}")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t = targets.load_target(a.target, device=device)
     dtype = next(t.model.parameters()).dtype
@@ -119,21 +142,26 @@ def main(argv=None) -> int:
     for name, shape in shapes.items():
         if name.split()[0] not in modes:
             continue
-        dec = SpecDecoder(t, None if shape is None else draft, None if shape is None else meta, **(shape or {}),
-                          **common)
-        rows[name] = measure(dec, ids, a.new, a.repeats, plain=shape is None)
+        def make(shape=shape):
+            return SpecDecoder(t, None if shape is None else draft, None if shape is None else meta, **(shape or {}),
+                               **common)
+        decs = {c: warmed(make, c, ids, a.new, plain=shape is None) for c in choices}
+        for c, row in measure(decs, ids, a.new, a.repeats, plain=shape is None).items():
+            rows[name if len(choices) == 1 else f"{name} [{c}]"] = row
+        dec = decs[choices[0]]
 
     print(f"decode rounds: {a.target} {str(dtype).split('.')[-1]} on "
           f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}, "
           f"autotune={a.autotune}, fused projections={dec.fused_projections}")
-    print(f"{'mode':<24}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
+    w = max(24, max(map(len, rows), default=0) + 2)
+    print(f"{'mode':<{w}}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
     for name, r in rows.items():
         g = sum(r["graphs"].values()) if r.get("graphs") else None
         # one replay of each graph: a tree replays its frontier graph once per level, so for trees
         # "host" is an upper bound on the host work
         host = r["round_ms"] - g if g is not None else None
         acc = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
-        print(f"{name:<24}{r['round_ms']:>10.3f}{(f'{g:.3f}' if g is not None else '-'):>11}"
+        print(f"{name:<{w}}{r['round_ms']:>10.3f}{(f'{g:.3f}' if g is not None else '-'):>11}"
               f"{(f'{host:.3f}' if host is not None else '-'):>9}{r['tokens_per_s']:>9.1f}{acc:>8}")
     if a.json:
         out = {"eaglewire": __version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "target": a.target,
