@@ -253,6 +253,26 @@ def test_the_target_writes_its_own_prompts(llama):
         datagen.self_prompts(llama, 4, GenConfig(max_new_tokens=4))
 
 
+def test_openers_start_the_prompts_and_the_target_writes_the_rest(llama, monkeypatch):
+    """Prompt i opens with openers[i % len(openers)]: the opener ends the model's input, and its text
+    joins the continuation as decoded (a leading space kept, no space invented)."""
+    torch.manual_seed(0)
+    gen = GenConfig(max_new_tokens=12, temperature=1.0, batch_size=12)
+    written = datagen.self_prompts(llama, 12, gen, openers=("Write", "Solve"))
+    assert written and all(p.startswith(("Write", "Solve")) for p in written)
+    seen = []
+
+    def fake(target, prompts_ids, gen, on_batch=None, strip=True):
+        seen.extend(llama.tokenizer.decode(p)[-5:] for p in prompts_ids)
+        assert not strip
+        return [" a poem about rain", "r's block, the cure", "  "][:len(prompts_ids)]
+
+    monkeypatch.setattr(datagen, "generate_batched", fake)
+    assert datagen.self_prompts(llama, 3, gen, openers=("Write",)) == ["Write a poem about rain",
+                                                                       "Writer's block, the cure"]
+    assert seen == ["Write"] * 3
+
+
 def test_user_header_needs_a_template_that_keeps_the_text(llama, monkeypatch):
     from eaglewire.chat import user_header
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglewire import cli, recipes
+from eaglewire import cli, datagen, recipes
 from eaglewire.cli import build_parser
 from eaglewire.checkpoint import load_draft
 from eaglewire.errors import UsageError
@@ -118,7 +118,7 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     assert first[2]["content"] == "Another?" and report["regenerated"]["replies"] == report["regenerated"][
         "conversations"] + 1
     written = report["prompts"]["self_written"]  # prompts the target wrote itself, answered like the others
-    assert written["asked"] == 6 and 0 < written["kept"] <= 6
+    assert written["asked"] == 6 and 0 < written["kept"] <= 6 and written["openers"] == "none"
     asked = [json.loads(line)["messages"] for line in open(tmp_path / "full" / "prompts.jsonl")]
     assert len(asked) == report["prompts"]["used"] + written["kept"]
     assert all(len(c) == 1 and len(c[0]["content"].split()) >= 3 for c in asked[-written["kept"]:])
@@ -170,6 +170,35 @@ def test_turns_must_keep_a_user_turn():
     args = recipe_args("full", "--turns", "0")
     with pytest.raises(UsageError, match="--turns 0: keep at least 1 user turn"):
         recipes._override(recipes.RECIPES["full"], args)
+
+
+def test_openers_steer_only_prompts_the_target_writes():
+    with pytest.raises(UsageError, match="--self-prompt-openers tasks steers .* give --self-prompts N"):
+        recipes._override(recipes.RECIPES["full"], recipe_args("full", "--self-prompt-openers", "tasks"))
+    r = recipes._override(recipes.RECIPES["full"], recipe_args("full", "--self-prompts", "8",
+                                                                 "--self-prompt-openers", "tasks"))
+    assert (r.self_prompts, r.self_prompt_openers) == (8, "tasks")
+    assert recipes.RECIPES["full"].self_prompt_openers == "none"  # the best draft's recipe, unchanged
+
+
+def test_the_recipe_steers_its_self_written_prompts(target_dir, tmp_path, monkeypatch):
+    """--self-prompt-openers tasks hands datagen.OPENERS to the prompt writer (the tiny character-level
+    target here writes no 3-word prompt after "Write"; test_datagen.py runs the real writer)."""
+    asked = []
+
+    def writer(target, n, gen, dist, openers):
+        asked.append(openers)
+        return ["Write one two three", "Solve four five six"][:n]
+
+    monkeypatch.setattr(datagen, "self_prompts", writer)
+    recipe = recipes._override(recipes.RECIPES["full"], recipe_args(
+        "full", "--set", "steps=1", "--set", "batch_tokens=512", "--set", "max_len=128", "--set", "eval_fraction=0.5",
+        "--max-new-tokens", "4", "--max-prompts", "2", "--self-prompts", "2", "--self-prompt-openers", "tasks"))
+    report = recipes.run_recipe(recipe, tmp_path / "r", target=str(target_dir),
+                                prompts_path=sharegpt(tmp_path / "sg.json"), device="cpu", progress=False)
+    assert asked == [datagen.OPENERS] and report["prompts"]["self_written"]["openers"] == "tasks"
+    written = [json.loads(line)["messages"][0]["content"] for line in open(tmp_path / "r" / "prompts.jsonl")][-2:]
+    assert written == ["Write one two three", "Solve four five six"]
 
 
 def test_init_from_is_checked_before_regeneration(target_dir, tmp_path, capsys):

@@ -142,9 +142,10 @@ def plan_batches(lengths: list[int], gen: GenConfig, static: bool) -> list[Batch
 
 @torch.no_grad()
 def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: GenConfig,
-                     on_batch: Callable[[dict], None] | None = None) -> list[str]:
+                     on_batch: Callable[[dict], None] | None = None, strip: bool = True) -> list[str]:
     """Replies to tokenized prompts: length-sorted, left-padded batches through `model.generate`.
-    `on_batch` gets one record per batch (shape, steps, seconds): where a regeneration's time goes."""
+    `on_batch` gets one record per batch (shape, steps, seconds): where a regeneration's time goes.
+    strip=False keeps the reply's leading space, for text that continues the prompt's."""
     from torch._dynamo.utils import counters  # graphs compiled per batch: a first shape compiles (seconds)
     from transformers import GenerationConfig
 
@@ -188,7 +189,8 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
         for r, k in enumerate(batch.prompts):
             new = out[r, batch.width:].tolist()
             cut = next((i for i, t in enumerate(new) if t in stops), len(new))
-            replies[k] = tok.decode(new[:cut], skip_special_tokens=True).strip()
+            text = tok.decode(new[:cut], skip_special_tokens=True)
+            replies[k] = text.strip() if strip else text.rstrip()
         if on_batch is not None:
             on_batch({"width": batch.width, "rows": batch.rows, "prompts": len(batch.prompts),
                       "steps": out.shape[1] - batch.width, "seconds": round(time.perf_counter() - t0, 3),
@@ -250,18 +252,31 @@ def regenerate_ranks(target: targets.Target, convs: list[list[dict]], gen: GenCo
 MIN_PROMPT_WORDS = 3  # shorter self-written prompts ("Hi", half a word) teach the draft little
 
 
-def self_prompts(target: targets.Target, n: int, gen: GenConfig, dist: Dist | None = None) -> list[str]:
+# Words a steered self-written prompt opens with, in turn ("" leaves it to the target). Unsteered,
+# SmolLM2-135M writes mostly requests for help and plans: "Can you provide" / "help" / "suggest" and
+# "I'm planning" / "looking for" / "considering" open a quarter of 16,699 prompts (sixth run), while
+# tasks to write, solve, extract from, role-play or code are rare.
+OPENERS = ("", "Write", "Explain", "Solve", "Imagine", "Describe", "Compare", "Summarize", "Extract", "Rewrite",
+           "Calculate", "Implement", "Pretend", "Given", "Why", "How", "What", "Create", "List", "Analyze",
+           "Translate", "Design", "Classify", "Evaluate")
+
+
+def self_prompts(target: targets.Target, n: int, gen: GenConfig, dist: Dist | None = None,
+                 openers: tuple[str, ...] = ("",)) -> list[str]:
     """Up to n distinct user prompts written by the target itself (Magpie, Xu et al. 2024): sampled
     continuations of the chat template's opening of a user turn, cut at the end of that turn.
     They follow the target's instruction-tuning data, which a prompt file may not (ShareGPT is
-    heavy on greetings and repeats)."""
+    heavy on greetings and repeats). With openers, prompt i starts with openers[i % len(openers)]
+    and the target writes the rest (e.g. OPENERS: more kinds of task)."""
     if gen.temperature <= 0:
         raise UsageError("self-written prompts must be sampled (temperature > 0): greedy writes one prompt n times")
     header = chat.user_header(target.tokenizer)
-    ids = target.tokenizer(header, add_special_tokens=False)["input_ids"]
     if dist is not None:  # each rank its share (and its own seed), then gathered: every rank returns them all
         n = n // dist.world + (dist.rank < n % dist.world)
-    written = [t for t in generate_batched(target, [ids] * n, gen) if len(t.split()) >= MIN_PROMPT_WORDS]
+    starts = [openers[i % len(openers)] for i in range(n)]
+    ids = {o: target.tokenizer(header + o, add_special_tokens=False)["input_ids"] for o in set(starts)}
+    texts = generate_batched(target, [ids[o] for o in starts], gen, strip=False)
+    written = [t for t in ((o + c).strip() for o, c in zip(starts, texts)) if len(t.split()) >= MIN_PROMPT_WORDS]
     return sorted({t for part in (dist.gather(written) if dist is not None else [written]) for t in part})
 
 

@@ -53,6 +53,7 @@ class Recipe:
     max_prompts: int | None  # None: every usable conversation
     turns: int = 1  # user turns kept per conversation; every one of them gets a regenerated reply
     self_prompts: int = 0  # prompts the target writes itself (sampled), added to the prompt file's
+    self_prompt_openers: str = "none"  # "tasks": they open with datagen.OPENERS in turn
     gen: datagen.GenConfig  # regeneration of the first user turn's reply
     max_len: int
     capture_batch: int = 8  # datagen's capture batch
@@ -199,12 +200,14 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
     convs, prompt_info = first_turns(src, recipe.max_prompts, recipe.turns)
     if recipe.self_prompts:
         torch.manual_seed(recipe.gen.seed + dist.rank)  # each rank samples prompts of its own
+        openers = datagen.OPENERS if recipe.self_prompt_openers == "tasks" else ("",)
         written = datagen.self_prompts(tgt, recipe.self_prompts, dataclasses.replace(
-            recipe.gen, temperature=1.0, top_p=1.0, max_new_tokens=SELF_PROMPT_TOKENS), dist)
+            recipe.gen, temperature=1.0, top_p=1.0, max_new_tokens=SELF_PROMPT_TOKENS), dist, openers)
         have = {c[-1]["content"].strip() for c in convs if len(c) == 1}
         new = [[{"role": "user", "content": p}] for p in written if p.strip() not in have]
         convs += new
-        prompt_info["self_written"] = {"asked": recipe.self_prompts, "kept": len(new), "seed": recipe.gen.seed}
+        prompt_info["self_written"] = {"asked": recipe.self_prompts, "kept": len(new), "seed": recipe.gen.seed,
+                                       "openers": recipe.self_prompt_openers}
     if dist.main:
         write_conversations(convs, out / "prompts.jsonl")
     t = stage("prompts", t)
@@ -303,7 +306,10 @@ def _override(recipe: Recipe, args) -> Recipe:
     if args.self_prompts is not None and args.self_prompts < 0:
         raise UsageError(f"--self-prompts {args.self_prompts}: give a count >= 0")
     rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s), ("turns", args.turns),
-                                  ("mode", args.mode), ("self_prompts", args.self_prompts)) if v is not None}
+                                  ("mode", args.mode), ("self_prompts", args.self_prompts),
+                                  ("self_prompt_openers", args.self_prompt_openers)) if v is not None}
+    if rec_over.get("self_prompt_openers") == "tasks" and not rec_over.get("self_prompts", recipe.self_prompts):
+        raise UsageError("--self-prompt-openers tasks steers the prompts the target writes: give --self-prompts N too")
     return dataclasses.replace(recipe, gen=dataclasses.replace(recipe.gen, **gen_over),
                                train=TrainConfig.from_dict({**recipe.train.to_dict(), **train_over}), **rec_over)
 
@@ -331,6 +337,10 @@ def register(sub) -> None:
     p.add_argument("--self-prompts", type=int, default=None, metavar="N",
                    help="also N prompts the target writes itself (sampled after the chat template's user header, "
                         "Magpie-style; repeats and ones under 3 words dropped), each answered like the others")
+    p.add_argument("--self-prompt-openers", choices=["none", "tasks"], default=None,
+                   help="tasks: self-written prompts open with task words in turn (Write, Solve, Extract, "
+                        "Pretend, ...) and the target writes the rest; unsteered it mostly asks for help or plans "
+                        "(default none)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="regenerated reply length")
     datagen.add_engine_args(p, defaults=False)
     p.add_argument("--mode", choices=["datagen", "online"], default=None, help="offline shards or online training")
