@@ -144,6 +144,8 @@ def test_bench_chain_json_table_plot(shift, prompt_file, tmp_path, capsys):
     g = r["greedy_check"]
     assert g["ok"] is True and g["mismatches"] == [] and g["compared"] == ["base", "spec"]
     assert r["settings"]["compile"] is False  # auto: off on cpu, where fp32 runs oneDNN-packed linears instead
+    assert r["settings"]["autotune"] is None  # nothing compiled, nothing autotuned
+    assert bench.autotuned(torch.device("cuda")) == {"target": True, "draft": False}  # as the decoder ships
     assert r["settings"]["prepack"] is True  # asked for; the tiny layers are too small to pack:
     # "+onednn" names runs that did; "+fused": q/k/v and gate/up as one matmul each (small targets: default)
     assert r["runs"]["base"]["name"] == "eaglewire-base+fused"

@@ -39,6 +39,7 @@ import torch
 from . import __version__, suites, targets
 from .acceptance import SamplingParams
 from .errors import EaglewireError, UsageError
+from .runners import DraftRunner, TargetRunner
 
 BANDWIDTH = {"H200": 4.3e12}  # bytes/s a decode step can stream (GPU.md); others: pass bandwidth=
 TIE_GAP = 1e-3  # fp32 top-2 logit gap below which a greedy divergence is rounding, not a bug
@@ -454,6 +455,12 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
     return result
 
 
+
+def autotuned(device: torch.device) -> dict[str, bool]:
+    """Whose compiled decode-step matmuls are autotuned (CUDA only): a bench's speed depends on it."""
+    cuda = device.type == "cuda"
+    return {"target": TargetRunner.autotune and cuda, "draft": DraftRunner.autotune and cuda}
+
 def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict, device, dtype) -> dict:
     """The JSON-ready result: machine, target, draft, suite, settings, runs, speed-ups, acceptance, check."""
     machine = machine_info(device)
@@ -478,7 +485,8 @@ def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict
         "suite": sp.summary(),
         "settings": {**{k: v for k, v in asdict(cfg).items() if k != "suite"}, "device": str(device),
                      "dtype": next(k for k, v in DTYPES.items() if v == dtype), "draft": cfg.draft_shape(),
-                     "cuda_graphs": cfg.cuda_graphs and device.type == "cuda", "compile": cfg.compiles(device)},
+                     "cuda_graphs": cfg.cuda_graphs and device.type == "cuda", "compile": cfg.compiles(device),
+                     "autotune": autotuned(device) if cfg.compiles(device) else None},
         "floor": {"weight_bytes": weight_bytes, "bandwidth": bw, "ms": fms},
         "runs": runs,
         "speedups": {"base/hf": ratio("base", "hf"), "spec/base": ratio("spec", "base"),
