@@ -455,11 +455,11 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
     return result
 
 
-
 def autotuned(device: torch.device) -> dict[str, bool]:
     """Whose compiled decode-step matmuls are autotuned (CUDA only): a bench's speed depends on it."""
     cuda = device.type == "cuda"
     return {"target": TargetRunner.autotune and cuda, "draft": DraftRunner.autotune and cuda}
+
 
 def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict, device, dtype) -> dict:
     """The JSON-ready result: machine, target, draft, suite, settings, runs, speed-ups, acceptance, check."""
