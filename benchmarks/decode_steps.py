@@ -64,18 +64,19 @@ def replays(runner) -> dict[str, object]:
     return {str(k): st.run for k, st in runner._static.items() if st.outputs is not None}
 
 
-AUTOTUNE = {"target": (True, False), "none": (False, False), "all": (True, True)}  # (target's, draft's)
+CHOICES = {"target": (True, False), "none": (False, False), "all": (True, True)}  # autotune (target's, draft's)
 
 
 def warmed(make, choice: str, ids: torch.Tensor, new: int, plain: bool) -> SpecDecoder:
     """A decoder built and warmed up (every size this prompt meets compiled and captured) under one
     autotuning choice: runners bind it when they create their compiled functions, during the warm-up."""
-    TargetRunner.autotune, DraftRunner.autotune = AUTOTUNE[choice]
+    shipped = TargetRunner.autotune, DraftRunner.autotune
+    TargetRunner.autotune, DraftRunner.autotune = CHOICES[choice]
     try:
         dec = make()
         (dec.generate_plain if plain else dec.generate)(ids, new)
     finally:
-        TargetRunner.autotune, DraftRunner.autotune = AUTOTUNE["target"]
+        TargetRunner.autotune, DraftRunner.autotune = shipped
     return dec
 
 
@@ -124,8 +125,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     choices = a.autotune.split(",")
-    if not set(choices) <= set(AUTOTUNE):
-        p.error(f"--autotune {a.autotune}: choose from {', '.join(AUTOTUNE)}")
+    if not set(choices) <= set(CHOICES):
+        p.error(f"--autotune {a.autotune}: choose from {', '.join(CHOICES)}")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t = targets.load_target(a.target, device=device)
     dtype = next(t.model.parameters()).dtype
