@@ -488,3 +488,16 @@ def test_default_evaluations_follow_the_horizon_a_time_budget_moves():
     assert evaluations(TrainConfig(steps=1000), moved) == [50, 80, 110, 140, 170, 200, 230, 260, 290]
     assert evaluations(TrainConfig(steps=1000), lambda done: 1000) == [100, 200, 300]
     assert evaluations(TrainConfig(steps=1000, eval_every=70), moved) == [70, 140, 210, 280]  # as given
+
+
+def test_init_from_keeps_a_two_layer_draft_without_restating_its_shape(target, data, prompts, root):
+    """A 2-layer draft fine-tunes as it is: --draft-layers left out means "not asked", not 1."""
+    base = train(TrainConfig(steps=2, draft_layers=2, **FAST), target, data, out=root / "ft-2l",
+                 progress=False).checkpoint
+    tuned = train(TrainConfig(steps=2, init_from=str(base), **FAST), target, prompts, out=root / "ft-2l-tuned",
+                  progress=False)
+    assert json.loads((root / "ft-2l-tuned" / "config.json").read_text())["draft"]["num_layers"] == 2
+    with pytest.raises(UsageError, match="its draft_layers is 2, --draft-layers asks for 1"):
+        train(TrainConfig(steps=2, init_from=str(base), draft_layers=1, **FAST), target, prompts,
+              out=root / "never-2l", progress=False)
+    assert tuned.metrics["heldout"]["positions"] > 0

@@ -133,7 +133,7 @@ class _Run:
         size = min(cfg.draft_vocab_size or 32000, V)
         always = targets.eos_ids(self.target)  # the draft must be able to end a reply
         d2t, t2d = select_draft_vocab(dict(self.corpus.token_freqs), size, always=always, vocab_size=V)
-        over = {"num_layers": cfg.draft_layers, **(cfg.draft_overrides or {})}
+        over = {"num_layers": cfg.draft_layers or 1, **(cfg.draft_overrides or {})}
         over.setdefault("max_position_embeddings", max(getattr(tc, "max_position_embeddings", 0) or 0,
                                                        cfg.max_len + cfg.ttt_steps))
         dcfg = DraftConfig.for_target(self.target.model.config, len(self.contract.taps), size, **over)

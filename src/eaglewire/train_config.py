@@ -35,7 +35,7 @@ class TrainConfig:
     ttt_decay: float = 0.8
     loss: str = "soft-ce"
     draft_vocab_size: int | None = None  # default min(32000, target vocab)
-    draft_layers: int = 1
+    draft_layers: int | None = None  # default 1; None = not asked (a fine-tuned draft keeps its own)
     draft_overrides: dict | None = None  # other DraftConfig fields (norm flags, hidden_size, ...)
     init_from: str | None = None  # a native draft checkpoint to start from (weights and vocabulary): fine-tuning
     taps: tuple[int, ...] | None = None  # None: the data's (offline) or the default 2,N//2,N-3 (online)
@@ -66,9 +66,9 @@ class TrainConfig:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         if self.taps is not None:
             object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
-        positive = ["epochs", "grad_accum", "ttt_steps", "draft_layers", "log_every", "regen_max_new_tokens",
-                    "regen_batch_size", "max_len"]
-        for name in positive + ["steps", "batch_tokens", "batch_size", "draft_vocab_size", "eval_every"]:
+        positive = ["epochs", "grad_accum", "ttt_steps", "log_every", "regen_max_new_tokens", "regen_batch_size",
+                    "max_len"]
+        for name in positive + ["steps", "batch_tokens", "batch_size", "draft_vocab_size", "draft_layers", "eval_every"]:
             v = getattr(self, name)
             if (v is not None or name in positive) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 bad(name, "must be a positive integer")
