@@ -68,7 +68,8 @@ class TrainConfig:
             object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
         positive = ["epochs", "grad_accum", "ttt_steps", "log_every", "regen_max_new_tokens", "regen_batch_size",
                     "max_len"]
-        for name in positive + ["steps", "batch_tokens", "batch_size", "draft_vocab_size", "draft_layers", "eval_every"]:
+        optional = ["steps", "batch_tokens", "batch_size", "draft_vocab_size", "draft_layers", "eval_every"]
+        for name in positive + optional:
             v = getattr(self, name)
             if (v is not None or name in positive) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 bad(name, "must be a positive integer")
