@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-fuse-projections", action="store_true", help="q/k/v and gate/up apart (default: fused "
                    "for targets up to 1B parameters)")
     p.add_argument("--autotune", default="target", metavar="CHOICES",
-                   help="whose compiled step forwards autotune their matmuls on CUDA: target (as the decoder "
+                   help="whose compiled single-row forwards autotune their matmuls on CUDA: target (as the decoder "
                    "ships), none, all; a comma-separated list times each choice in turn, in this process")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")

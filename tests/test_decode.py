@@ -280,6 +280,7 @@ def test_compile_failure_is_one_clear_error(llama, drafts, monkeypatch):
         raise torch._dynamo.exc.TorchDynamoException("backend exploded\nlong traceback")
 
     monkeypatch.setattr(dec.verifier, "_compiled", broken)
+    monkeypatch.setattr(dec.verifier, "_compiled_untuned", broken)  # a verify's size is not autotuned
     with pytest.raises(CompileError, match=r"TargetRunner forward failed \(backend exploded\); run with --no-compile"):
         dec.generate([1, 2, 3], 8)
 

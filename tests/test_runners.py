@@ -104,10 +104,11 @@ def test_target_forwards_autotune_their_matmuls_on_cuda_only():
     assert TargetRunner.autotune and not DraftRunner.autotune
 
 
-def test_prefill_sizes_compile_without_autotuning(monkeypatch):
-    """A prefill chunk's size runs once a prompt, so it goes through a compiled function without
-    autotuning (a minute of compilation a graph on CUDA); decode steps go through the autotuned one.
-    On CUDA the two are separate torch.compile wrappers, on a CPU the same (nothing is autotuned)."""
+def test_only_single_row_forwards_are_autotuned(monkeypatch):
+    """Autotuning pays for a 1-row decode step only: on the H200 it made the plain step faster and an
+    8-row verify 25% slower (docs/PERFORMANCE.md, eighth run), and a prefill chunk runs once a prompt.
+    Other sizes go through a compiled function without autotuning: on CUDA a separate torch.compile
+    wrapper, on a CPU the same one (nothing is autotuned)."""
     import eaglewire.runners as runners
 
     asked = []
@@ -117,21 +118,23 @@ def test_prefill_sizes_compile_without_autotuning(monkeypatch):
         autotune = True
 
     cuda = Tuned(torch.device("cuda"), static=True, cuda_graphs=False, sizes=(1,), compile=True)
-    assert asked == [True, False] and cuda._compiled_once is not cuda._compiled  # torch.compile is lazy
-    r = TargetRunner(tiny_model("llama"), CONTRACT, static=True, cuda_graphs=False, sizes=(1,), compile=True)
-    assert r._compiled_once is r._compiled
+    assert asked == [True, False] and cuda._compiled_untuned is not cuda._compiled  # torch.compile is lazy
+    r = TargetRunner(tiny_model("llama"), CONTRACT, static=True, cuda_graphs=False, sizes=(1, 3), max_pending=4,
+                     compile=True)
+    assert r._compiled_untuned is r._compiled
     calls = []
 
     def spy(kind):
         return lambda feed, view_len: calls.append((kind, feed["pos"].shape[1])) or r._masked_forward(feed, view_len)
 
-    r._compiled, r._compiled_once = spy("step"), spy("once")
+    r._compiled, r._compiled_untuned = spy("tuned"), spy("untuned")
     r.prefill_chunk = 4
     r.reset(32)
     r.prefill(torch.tensor([5, 17, 99, 3, 42, 7]))
     r.forward({"ids": torch.tensor([10])}, torch.tensor([r.length]))
-    # the first call after a new cache runs eagerly (it allocates the K/V buffers), so no third "once"
-    assert calls == [("once", 4), ("step", 1)], calls
+    r.forward({"ids": torch.tensor([11, 12, 13])}, torch.arange(r.length, r.length + 3))
+    # the first call after a new cache runs eagerly (it allocates the K/V buffers), so no second prefill call
+    assert calls == [("untuned", 4), ("tuned", 1), ("untuned", 3)], calls
 
 
 def test_autotuning_skips_are_not_logged_as_errors():

@@ -456,7 +456,7 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
 
 
 def autotuned(device: torch.device) -> dict[str, bool]:
-    """Whose compiled decode-step matmuls are autotuned (CUDA only): a bench's speed depends on it."""
+    """Whose compiled single-row decode-step matmuls are autotuned (CUDA only): a bench's speed depends on it."""
     cuda = device.type == "cuda"
     return {"target": TargetRunner.autotune and cuda, "draft": DraftRunner.autotune and cuda}
 

@@ -173,6 +173,6 @@ def register(sub) -> None:
     p.add_argument("--no-prepack", action="store_true",
                    help="plain nn.Linear on a CPU (default: oneDNN-packed weights in fp32)")
     p.add_argument("--compile", action="store_true", help="torch.compile the forwards (fused kernels, on CUDA "
-                   "autotuned matmuls; the first steps of each size compile, minutes on CUDA: worth it for long "
-                   "outputs)")
+                   "autotuned matmuls in a plain step; the first steps of each size compile, minutes on CUDA: "
+                   "worth it for long outputs)")
     p.set_defaults(func=cmd_generate)

@@ -211,10 +211,12 @@ class SlotRunner:
         # dynamic=False: one graph per padded size; shapes never vary within one
         self.compiles = compile
         self._compiled = self._compile(self.autotune) if compile else None
-        # Sizes outside `sizes` (a prefill chunk) run once a prompt: autotuning their matmuls would cost a
-        # minute of compilation each to save microseconds. A wrapper of its own: dynamo recompiles for it.
+        # Only single-row forwards are autotuned. On the H200 (SmolLM2-135M, decode_steps.py, eighth run)
+        # inductor's choice made a 1-row step faster (1.235 -> 1.123 ms) and an 8-row verify slower
+        # (1.324 -> 1.660 ms); a prefill chunk runs once a prompt, not worth a minute of compilation.
+        # A wrapper of its own: dynamo recompiles for it.
         tunes = compile and self.autotune and device.type == "cuda"
-        self._compiled_once = self._compile(False) if tunes else self._compiled
+        self._compiled_untuned = self._compile(False) if tunes else self._compiled
 
     def _compile(self, autotune: bool):
         return torch.compile(self._traced(), dynamic=False, options=compile_options(self.device, autotune))
@@ -361,13 +363,13 @@ class SlotRunner:
         return additive_mask(allowed, self.mask_dtype)[None, None]
 
     def _call(self, feed: dict[str, torch.Tensor], view_len: int, compiled: bool = True,
-              step: bool = True) -> tuple[torch.Tensor, ...]:
-        """_masked_forward, compiled if the runner compiles (autotuned for a decode step's size, not for a
-        size run once a prompt). The first call after a new cache runs eagerly: it allocates the K/V
-        buffers, which the compiled function must find in place (else its guard `keys is None` recompiles)."""
+              tuned: bool = True) -> tuple[torch.Tensor, ...]:
+        """_masked_forward, compiled if the runner compiles (autotuned if `tuned` and the runner autotunes).
+        The first call after a new cache runs eagerly: it allocates the K/V buffers, which the compiled
+        function must find in place (else its guard `keys is None` recompiles)."""
         if not compiled or self._compiled is None or any(layer.keys is None for layer in self._layers()):
             return self._masked_forward(feed, view_len)
-        return self._guarded(self._compiled if step else self._compiled_once, feed, view_len)
+        return self._guarded(self._compiled if tuned else self._compiled_untuned, feed, view_len)
 
     def _guarded(self, compiled_fn, *args):
         """Call a torch.compile'd function; fail, never fall back to eager: a silent fallback would
@@ -389,7 +391,7 @@ class SlotRunner:
             inputs.update(pos=torch.zeros(1, ts, dtype=torch.long, device=dev),
                           block=torch.eye(ts, self.max_pending + ts, dtype=torch.bool, device=dev),
                           at=torch.tensor([0, s - ts], device=dev))  # capture writes land in scratch slots
-            self._static[key] = self._make_static(inputs, lambda: self._call(inputs, s, step=ts in self.sizes))
+            self._static[key] = self._make_static(inputs, lambda: self._call(inputs, s, tuned=ts == 1))
         return self._static[key]
 
     def _make_static(self, inputs: dict[str, torch.Tensor], fn) -> _Static:
@@ -411,10 +413,10 @@ class TargetRunner(SlotRunner):
     """An HF causal LM; `forward({"ids": (T,)}, ...)` returns (logits (T, V) fp32, taps (T, n*H)),
     or (logits,) alone when the contract is None (plain decoding captures no taps).
 
-    Its compiled step forwards autotune their matmuls on CUDA: SmolLM2-135M on the H200, a plain step's
-    replay 1.172 -> 0.994 ms, the same tokens (docs/PERFORMANCE.md), for about a minute of compilation
-    per graph (inductor keeps the results on disk). Its prefill size and the draft's functions are not
-    autotuned (benchmarks/decode_steps.py --autotune times the choice)."""
+    Its compiled single-row forward (a plain decode step) autotunes its matmuls on CUDA: SmolLM2-135M on
+    the H200, a plain step 1.235 -> 1.123 ms, the same tokens (docs/PERFORMANCE.md), for about a minute
+    of compilation (inductor keeps the results on disk). Its verify and prefill sizes and the draft's
+    functions are not autotuned (benchmarks/decode_steps.py --autotune times the choice)."""
 
     autotune = True
     prefill_chunk = 128  # rows per static prefill forward: one more compiled size (see prefill)
@@ -451,13 +453,13 @@ class TargetRunner(SlotRunner):
         graph traced without them (e.g. the plain runner's, at the same prefill size) and lose the taps."""
         return self._masked_forward(feed, view_len)
 
-    def _call(self, feed, view_len, compiled=True, step=True):
+    def _call(self, feed, view_len, compiled=True, tuned=True):
         if self.contract is None:
-            return super()._call(feed, view_len, compiled, step)
+            return super()._call(feed, view_len, compiled, tuned)
         # The hooks go on outside the compiled function: dynamo traces hooks it finds on the modules
         # (registering them inside would break the graph), and their captures become its outputs.
         with TapHooks(self.stack, self.contract) as hooks:
-            logits, = super()._call(feed, view_len, compiled, step)
+            logits, = super()._call(feed, view_len, compiled, tuned)
         return logits, hooks.taps
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
