@@ -18,7 +18,8 @@ from eaglewire.capture import capture
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.errors import UsageError
-from eaglewire.runners import CompileError, SlotRunner
+from eaglewire.compiled import CompileError
+from eaglewire.runners import SlotRunner
 from eaglewire.targets import Target, fingerprint
 from eaglewire.taps import TapContract
 from eaglewire.vocab import target_to_draft_ids

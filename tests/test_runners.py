@@ -94,7 +94,7 @@ def test_target_forwards_autotune_their_matmuls_on_cuda_only():
     CPU compile keep inductor's defaults. torch.compile checks option names when it is called."""
     import torch._inductor as inductor
 
-    from eaglewire.runners import compile_options
+    from eaglewire.compiled import compile_options
 
     opts = compile_options(torch.device("cuda"), autotune=True)
     assert inductor.list_mode_options("max-autotune-no-cudagraphs").items() <= opts.items()
@@ -143,7 +143,7 @@ def test_autotuning_skips_are_not_logged_as_errors():
     are dropped once the target's options are asked for, the logger's other records are not."""
     import logging
 
-    from eaglewire.runners import _SkippedChoice, compile_options
+    from eaglewire.compiled import _SkippedChoice, compile_options
 
     compile_options(torch.device("cuda"), autotune=True)
     compile_options(torch.device("cuda"), autotune=True)

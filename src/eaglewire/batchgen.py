@@ -20,7 +20,8 @@ from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from .runners import SlotLayer, _Book, additive_mask, capture_graph
+from .compiled import capture_graph
+from .runners import SlotLayer, _Book, additive_mask
 from .targets import cache_kwarg, shared_copy
 
 ATTENTION = "eaglewire_gqa"
