@@ -132,6 +132,17 @@ def test_chain_is_a_tree_with_a_causal_mask():
     assert prune(chain, 2).tokens.tolist() == [9, 8]
 
 
+def test_chains_of_one_length_share_their_topology():
+    """A decoding round builds a chain each time: its parents, depths and zero scores are made once
+    per length (no kernels a round on CUDA), and stay right for every chain of that length."""
+    a, b = DraftTree.chain(torch.tensor([9, 8, 7])), DraftTree.chain(torch.tensor([1, 2, 3]))
+    assert a.parents is b.parents and a.depth is b.depth and a.scores is b.scores
+    assert b.parents.tolist() == [-1, 0, 1] and b.depth.tolist() == [1, 2, 3] and b.scores.tolist() == [0, 0, 0]
+    scored = DraftTree.chain(torch.tensor([1, 2, 3]), torch.tensor([-0.5, -1.0, -2.0]))
+    assert scored.scores.tolist() == [-0.5, -1.0, -2.0] and a.scores.tolist() == [0, 0, 0]
+    assert DraftTree.chain(torch.tensor([4, 5])).parents.tolist() == [-1, 0]
+
+
 def test_retrieve_paths_lists_every_root_to_leaf_path():
     tree = sample_tree()
     paths = retrieve_paths(tree)

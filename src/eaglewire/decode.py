@@ -229,7 +229,9 @@ class SpecDecoder:
         taps, next_ids = feed
         n = len(next_ids)
         d = self.drafter
-        logits, hidden = d.forward({"ids": next_ids, "taps": taps}, self._positions(d.length, n))
+        # copy=False on both sides: each output is used (or copied into another graph's inputs) before
+        # its graph replays again, in the next round
+        logits, hidden = d.forward({"ids": next_ids, "taps": taps}, self._positions(d.length, n), copy=False)
         d.commit(n)
         draft = self._draft_chain if self.spec.mode == "chain" else self._draft_tree
         tree, q, attn = draft(logits[-1], hidden[-1], d.length - 1, sampling, gen)
@@ -238,10 +240,10 @@ class SpecDecoder:
         v = self.verifier
         ids = torch.cat([next_ids[-1:], tree.tokens])  # [root] + nodes
         if self.spec.mode == "chain":  # a chain's tree mask is causal: the runner's cached block
-            logits, taps = v.forward({"ids": ids}, self._positions(v.length, len(ids)))
+            logits, taps = v.forward({"ids": ids}, self._positions(v.length, len(ids)), copy=False)
         else:
             block, rel = attn  # (n+1, n+1), depth offsets
-            logits, taps = v.forward({"ids": ids}, v.length + rel, block)
+            logits, taps = v.forward({"ids": ids}, v.length + rel, block, copy=False)
         path, nxt = self._accept(tree, q, logits, sampling, gen)
         rows = [0] + [1 + i for i in path]
         v.commit(rows)

@@ -124,6 +124,7 @@ class _Static:
     inputs: dict[str, torch.Tensor]  # (1, Ts, ...) per model input, pos (1, Ts), block (Ts, W), at (2,)
     run: object = None  # () -> outputs (1, Ts, ...); a graph replays into the same output tensors
     outputs: tuple[torch.Tensor, ...] | None = None  # a CUDA graph's static outputs
+    block: torch.Tensor | None = None  # the cached causal block inputs["block"] holds, if one does
 
 
 class SlotRunner:
@@ -196,6 +197,8 @@ class SlotRunner:
 
     def commit(self, keep: torch.Tensor | list[int] | int) -> None:
         """Keep pending rows: an int n keeps rows 0..n-1, a list/tensor those rows in that order."""
+        if isinstance(keep, list) and keep == list(range(len(keep))):  # a prefix, without tensor ops
+            keep = len(keep)
         if not isinstance(keep, int):
             rows = torch.as_tensor(keep, dtype=torch.long).cpu()
             assert rows.numel() == 0 or int(rows.max()) < self.pending, "commit of a row never written"
@@ -238,12 +241,14 @@ class SlotRunner:
 
     @torch.no_grad()
     def forward(self, inputs: dict[str, torch.Tensor], positions: torch.Tensor, block: torch.Tensor | None = None,
-                exact: bool = False, pad_to: int | None = None) -> tuple[torch.Tensor, ...]:
+                exact: bool = False, pad_to: int | None = None, copy: bool = True) -> tuple[torch.Tensor, ...]:
         """T new rows: inputs name -> (T, ...), positions (T,), block (T, pending+T) bool = which of this
         round's rows (earlier pending ones, then the new ones) each new row sees, or None: all earlier
         pending rows and the new rows up to itself (causal). The committed prefix is always seen.
         Returns the outputs, each (T, ...). exact: no padding, no graph, not compiled. pad_to: this
-        static size instead of the smallest of `sizes` that fits (a prefill chunk).
+        static size instead of the smallest of `sizes` that fits (a prefill chunk). copy=False: the
+        outputs may be views of a graph's output buffers, valid until this size's next forward (a
+        launch less per output for a caller that is done with them by then).
         Inputs already on the device avoid a host-to-device copy (a stream sync on CUDA)."""
         t, start = positions.shape[0], self.length + self.pending
         size = None if exact or not self.static else pad_to or next((s for s in self.sizes if s >= t), None)
@@ -262,13 +267,16 @@ class SlotRunner:
             for k, v in inputs.items():  # padding rows keep stale (valid) values: they see only themselves
                 st.inputs[k][0, :t].copy_(v)
             st.inputs["pos"][0, :t].copy_(positions)
-            st.inputs["block"].copy_(self._block(block, t, ts, self.max_pending))
+            blk = self._block(block, t, ts, self.max_pending)
+            if blk is not st.block:  # a cached causal block is copied in once while it stays the same
+                st.inputs["block"].copy_(blk)
+                st.block = blk if block is None else None
             st.inputs["at"][0].fill_(self.length)  # fill_: no host-to-device copy, no sync
             st.inputs["at"][1].fill_(start)
             out = st.run()
         self.pending += t
         # Copies: a graph's outputs are overwritten by its next replay.
-        return tuple(o[0, :t].clone() for o in out)
+        return tuple(o[0, :t].clone() if copy else o[0, :t] for o in out)
 
     def _block(self, block: torch.Tensor | None, t: int, ts: int, width: int) -> torch.Tensor:
         """(Ts, width + Ts) bool over the slots from `length` on: block in the top left, padding rows see
@@ -492,7 +500,8 @@ class DraftRunner(SlotRunner):
         """`steps` greedy draft steps as ONE static function (one compiled graph, one CUDA-graph
         replay): step i feeds the previous step's argmax token (target id) and hidden state at
         `position + i`, seeing every slot before its own. token (1,) target id and hidden (1, H) on
-        the device -> (steps,) target ids. Writes `steps` pending rows, like `steps` forwards."""
+        the device -> (steps,) target ids, the replay's own output buffer (valid until the next call:
+        the decoder concatenates them at once). Writes `steps` pending rows, like `steps` forwards."""
         start = self.length + self.pending
         assert self.static and self.kv.layers[0].keys is not None, "an extend forward first (static runner)"
         assert self.pending + steps <= self.max_pending + max(self.sizes) and start + steps <= self.book.max_len
@@ -500,7 +509,7 @@ class DraftRunner(SlotRunner):
                                 position=position, start=start, scratch=steps)
         tokens, = st.run()
         self.pending += steps
-        return tokens.clone()
+        return tokens
 
     @torch.no_grad()
     def tree(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, depth: int, topk: int,

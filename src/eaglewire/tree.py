@@ -46,6 +46,9 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.long, device=x.device)
 
 
+_CHAINS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """A draft tree for one verification round (see the module docstring for the conventions)."""
@@ -80,11 +83,18 @@ class DraftTree:
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, scores: torch.Tensor | None = None) -> "DraftTree":
-        """The chain tokens[0] -> tokens[1] -> ... (node i at depth i + 1)."""
-        k = tokens.shape[0]
-        idx = torch.arange(k, device=tokens.device)
-        scores = torch.zeros(k, device=tokens.device) if scores is None else scores.float()
-        return cls(tokens.long(), idx - 1, idx + 1, scores)
+        """The chain tokens[0] -> tokens[1] -> ... (node i at depth i + 1). Its parents, depths and
+        zero scores are made once per length and device and shared, read-only: a decoding round
+        then launches no kernels for them (four a round on CUDA)."""
+        k, dev = tokens.shape[0], tokens.device
+        shared = _CHAINS.get((k, dev))
+        if shared is None:
+            idx = torch.arange(k, device=dev)
+            shared = (idx - 1, idx + 1, torch.zeros(k, device=dev))
+            if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # not a graph's memory
+                _CHAINS[(k, dev)] = shared
+        parents, depth, zeros = shared
+        return cls(tokens.long(), parents, depth, zeros if scores is None else scores.float())
 
     def validate(self) -> "DraftTree":
         """Check the invariants every function relies on (one device sync); returns self."""
