@@ -55,7 +55,7 @@ def naive_chain_greedy(draft, logits):
     n = 0
     while n < len(draft) and draft[n] == logits[n].argmax().item():
         n += 1
-    return n, logits[n].argmax().item()
+    return n, draft[:n] + [logits[n].argmax().item()]
 
 
 def random_tree(g: torch.Generator, topk=3, steps=3, budget=10) -> DraftTree:
@@ -97,9 +97,9 @@ def test_tree_greedy_equals_best_retrieved_path():
                 ok += 1
             if ok > best_len:
                 best_len, best_path = ok, path[:ok]
-        path, nxt = verify_tree_greedy(tree, logits)
+        path, tokens = verify_tree_greedy(tree, logits)
         assert path == best_path
-        assert nxt == logits[path[-1] + 1 if path else 0].argmax().item()
+        assert tokens == tree.tokens[path].tolist() + [logits[path[-1] + 1 if path else 0].argmax().item()]
         lengths.add(len(path))
     assert lengths >= {0, 1, 2, 3}
 
@@ -109,8 +109,8 @@ def test_chain_tree_equals_chain_verification():
     for _ in range(200):
         draft = torch.randint(0, 3, (4,), generator=g)
         logits = torch.randn(5, 3, generator=g)
-        n, nxt = verify_chain_greedy(draft, logits)
-        assert verify_tree_greedy(DraftTree.chain(draft), logits) == (list(range(n)), nxt)
+        n, tokens = verify_chain_greedy(draft, logits)
+        assert verify_tree_greedy(DraftTree.chain(draft), logits) == (list(range(n)), tokens)
         probs = torch.softmax(logits, -1)
         seed = int(torch.randint(0, 2**31, (1,), generator=g))
         chain = verify_chain_sampling(draft, None, probs, torch.Generator().manual_seed(seed))
@@ -126,7 +126,8 @@ def test_sampling_verifiers_with_greedy_params_are_greedy():
         assert verify_tree_sampling(tree, logits_to_probs(logits, SamplingParams()), g) == verify_tree_greedy(tree, logits)
         draft = logits[:3].argmax(-1)
         q = torch.softmax(torch.randn(3, V, generator=g), -1)
-        assert verify_chain_sampling(draft, q, logits_to_probs(logits[:4], SamplingParams()), g) == (3, logits[3].argmax().item())
+        assert verify_chain_sampling(draft, q, logits_to_probs(logits[:4], SamplingParams()), g) == \
+            (3, draft.tolist() + [logits[3].argmax().item()])
 
 
 def test_zero_probability_candidates_are_never_accepted():
@@ -201,8 +202,9 @@ def test_chain_sampling_with_sampled_drafts_is_lossless():
         d0 = torch.multinomial(Q0, 1, generator=g)[0]
         d1 = torch.multinomial(Q1[d0], 1, generator=g)[0]
         draft = torch.stack([d0, d1])
-        n, nxt = verify_chain_sampling(draft, torch.stack([Q0, Q1[d0]]), torch.stack([P0, P1[d0], P1[d1]]), g)
-        return draft[:n].tolist() + [nxt]
+        n, tokens = verify_chain_sampling(draft, torch.stack([Q0, Q1[d0]]), torch.stack([P0, P1[d0], P1[d1]]), g)
+        assert tokens[:n] == draft[:n].tolist() and len(tokens) == n + 1
+        return tokens
 
     assert passes(*run_trials(verify))
 
@@ -229,8 +231,9 @@ def test_chain_sampling_with_deterministic_drafts_is_lossless():
     target = torch.stack([P0, P1[draft[0]], P1[draft[1]]])
 
     def verify(g, q=None):
-        n, nxt = verify_chain_sampling(draft, q, target, g)
-        return draft[:n].tolist() + [nxt]
+        n, tokens = verify_chain_sampling(draft, q, target, g)
+        assert tokens[:n] == draft[:n].tolist() and len(tokens) == n + 1
+        return tokens
 
     assert passes(*run_trials(verify))
     firsts, pairs = run_trials(lambda g: verify(g, torch.stack([Q0, Q1[d0]])))
@@ -252,8 +255,9 @@ def test_tree_sampling_with_top_k_candidates_is_lossless():
     target = torch.stack([P0] + [P1[t] for t in tree.tokens.tolist()])  # row 1 + i: after node i
 
     def verify(g):
-        path, nxt = verify_tree_sampling(tree, target, g)
-        return tree.tokens[path].tolist() + [nxt]
+        path, tokens = verify_tree_sampling(tree, target, g)
+        assert tokens[:-1] == tree.tokens[path].tolist()
+        return tokens
 
     firsts, pairs = run_trials(verify)
     assert passes(firsts, pairs)

@@ -464,13 +464,14 @@ def test_sampling_test_catches_a_broken_verifier(small, monkeypatch, broken):
     t, d, meta = small
 
     def accept_all(tokens, q, p, generator=None):
-        return len(tokens), int(torch.multinomial(p[-1], 1, generator=generator))
+        return len(tokens), tokens.tolist() + [int(torch.multinomial(p[-1], 1, generator=generator))]
 
     def no_residual(tokens, q, p, generator=None):
-        for i, tok in enumerate(tokens.tolist()):
+        drafted = tokens.tolist()
+        for i, tok in enumerate(drafted):
             if float(torch.rand((), generator=generator)) * q[i, tok] >= p[i, tok]:
-                return i, int(torch.multinomial(p[i], 1, generator=generator))
-        return len(tokens), int(torch.multinomial(p[-1], 1, generator=generator))
+                return i, drafted[:i] + [int(torch.multinomial(p[i], 1, generator=generator))]
+        return len(tokens), drafted + [int(torch.multinomial(p[-1], 1, generator=generator))]
 
     monkeypatch.setattr(decode, "verify_chain_sampling", accept_all if broken == "accept_all" else no_residual)
     sampling = SAMPLINGS[0]

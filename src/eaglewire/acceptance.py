@@ -8,8 +8,9 @@ one target forward over [root] + draft tokens):
     target row 1 + i   = the target's output at draft token / tree node i: the distribution of
                          the token that follows it (for the last chain token: the bonus token).
 
-Every function returns the accepted draft tokens and ONE more token (the correction or the bonus),
-so a round always commits n_accepted + 1 tokens.
+Every function returns what it accepted (a count, or a tree's node path) and the tokens the round
+commits, read back to the host in one copy: the accepted draft tokens and ONE more token (the
+correction or the bonus), so a round always commits n_accepted + 1 tokens.
 
 Two proposal kinds need two different rules to be lossless (the emitted tokens have exactly the
 target's sampling distribution):
@@ -87,12 +88,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
-def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, list[int]]:
     """Greedy chain verification.
 
     draft_tokens (K,) int64; target_logits (K+1, V), row convention in the module docstring.
-    Returns (n_accepted, next_token): the longest prefix of draft_tokens equal to the target's
-    argmax, and the target's argmax after it (the correction, or the bonus if all K match).
+    Returns (n_accepted, tokens): the longest prefix of draft_tokens equal to the target's argmax,
+    then the target's argmax after it (the correction, or the bonus if all K match).
     """
     k = draft_tokens.shape[0]
     _check_rows(target_logits, k + 1, "target_logits")
@@ -101,13 +102,14 @@ def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor)
 
 
 def verify_chain_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                          generator: torch.Generator | None = None) -> tuple[int, int]:
+                          generator: torch.Generator | None = None) -> tuple[int, list[int]]:
     """Lossless chain verification.
 
     draft_tokens (K,) int64; target_probs (K+1, V) from `logits_to_probs`, rows as in the module
     docstring. draft_probs (K, V): the distribution token i was SAMPLED from (target vocabulary);
     None when the draft tokens were chosen deterministically (e.g. the draft's argmax).
-    Returns (n_accepted, next_token); the emitted tokens are distributed exactly as the target's.
+    Returns (n_accepted, tokens) as verify_chain_greedy; the emitted tokens are distributed exactly
+    as the target's.
     """
     k = draft_tokens.shape[0]
     _check_rows(target_probs, k + 1, "target_probs")
@@ -119,34 +121,35 @@ def verify_chain_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor 
     q = draft_probs.gather(1, idx).squeeze(1)  # (K,)
     u = torch.rand(k, generator=generator, device=target_probs.device)
     accept = u * q < p  # P = min(1, p/q); never accepts a token the target cannot emit (p = 0)
-    n = int(accept.long().cumprod(0).sum()) if k else 0
+    accepted, drafted = _read_back(accept, draft_tokens.to(accept.device))
+    n = next((i for i, a in enumerate(accepted) if not a), k)
     if n == k:
-        return n, int(_sample_rows(target_probs[k:], generator)[0])
+        return n, drafted + [int(_sample_rows(target_probs[k:], generator)[0])]
     residual = (target_probs[n] - draft_probs[n]).clamp(min=0)
     if not bool(residual.sum() > 0):  # p == q up to rounding: a rejection has probability 0
         residual = target_probs[n]
-    return n, int(_sample_rows(residual[None], generator)[0])
+    return n, drafted[:n] + [int(_sample_rows(residual[None], generator)[0])]
 
 
-def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """Greedy tree verification.
 
     target_logits (n+1, V): row 0 at the root, row 1 + i at node i (tree_attention's order).
-    Returns (path, next_token): path = accepted node indices from depth 1 down (the longest
-    root-to-node path whose tokens all equal the target's argmax), next_token = the target's
-    argmax after the last accepted node (after the root if path is empty).
+    Returns (path, tokens): path = accepted node indices from depth 1 down (the longest
+    root-to-node path whose tokens all equal the target's argmax); tokens = theirs, then the
+    target's argmax after the last accepted node (after the root if path is empty).
     """
     _check_rows(target_logits, tree.num_nodes + 1, "target_logits")
     return _walk(tree, target_logits.argmax(-1))
 
 
 def verify_tree_sampling(tree: DraftTree, target_probs: torch.Tensor,
-                         generator: torch.Generator | None = None) -> tuple[list[int], int]:
+                         generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
     """Lossless tree verification for DETERMINISTIC candidates (EAGLE-2 top-k trees, see above).
 
     target_probs (n+1, V) from `logits_to_probs`, rows as in verify_tree_greedy. At each node on
     the way down, draw x from its target row; descend into the child whose token is x, else stop
-    and emit x. Returns (path, next_token) like verify_tree_greedy.
+    and emit x. Returns (path, tokens) like verify_tree_greedy.
     """
     _check_rows(target_probs, tree.num_nodes + 1, "target_probs")
     return _walk(tree, _sample_rows(target_probs, generator))
@@ -172,25 +175,26 @@ def _read_back(*tensors: torch.Tensor) -> list[list[int]]:
     return out
 
 
-def _first_mismatch(draft_tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[int, int]:
-    """Accept while draft_tokens[i] == chosen[i]; return (n, chosen[n]). chosen is (K+1,)."""
+def _first_mismatch(draft_tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[int, list[int]]:
+    """Accept while draft_tokens[i] == chosen[i]; return (n, chosen[:n + 1]). chosen is (K+1,)."""
     chosen, drafted = _read_back(chosen, draft_tokens.to(chosen.device))
     n = 0
     for d in drafted:
         if d != chosen[n]:
             break
         n += 1
-    return n, chosen[n]
+    return n, chosen[:n + 1]  # the accepted tokens are the chosen ones
 
 
-def _walk(tree: DraftTree, chosen: torch.Tensor) -> tuple[list[int], int]:
+def _walk(tree: DraftTree, chosen: torch.Tensor) -> tuple[list[int], list[int]]:
     """Descend from the root while some child's token equals chosen[row]; chosen is (n+1,)."""
     chosen, parents, tokens = _read_back(chosen, tree.parents.to(chosen.device), tree.tokens.to(chosen.device))
     children: dict[tuple[int, int], int] = {}  # (parent row, token) -> first such child
     for i, (par, tok) in enumerate(zip(parents, tokens)):
         children.setdefault((par + 1, tok), i)
-    path, row = [], 0
+    path, row, emitted = [], 0, []
     while (child := children.get((row, chosen[row]))) is not None:
         path.append(child)
+        emitted.append(chosen[row])  # the child's own token
         row = child + 1
-    return path, chosen[row]
+    return path, emitted + [chosen[row]]

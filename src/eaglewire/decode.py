@@ -244,28 +244,25 @@ class SpecDecoder:
         else:
             block, rel = attn  # (n+1, n+1), depth offsets
             logits, taps = v.forward({"ids": ids}, v.length + rel, block, copy=False)
-        path, nxt = self._accept(tree, q, logits, sampling, gen)
+        path, tokens = self._accept(tree, q, logits, sampling, gen)
         rows = [0] + [1 + i for i in path]
         v.commit(rows)
-        if path == list(range(len(path))):  # a chain, or a tree's first nodes: slices, no gathers
-            taps, accepted = taps[:len(rows)], tree.tokens[:len(path)]
-        else:
-            taps, accepted = taps[rows], tree.tokens[path]
-        tokens = accepted.tolist() + [nxt]
+        # a chain, or a tree's first nodes: a slice, no gather
+        taps = taps[:len(rows)] if path == list(range(len(path))) else taps[rows]
         return path, tokens, (taps, torch.tensor(tokens, device=self.device))
 
-    def _accept(self, tree: DraftTree, q, logits, sampling: SamplingParams, gen) -> tuple[list[int], int]:
-        """acceptance.py's verdict: (accepted node indices, next token)."""
+    def _accept(self, tree: DraftTree, q, logits, sampling: SamplingParams, gen) -> tuple[list[int], list[int]]:
+        """acceptance.py's verdict: (accepted node indices, the tokens to commit), one read-back."""
         chain = self.spec.mode == "chain"
         if sampling.greedy:
             if chain:
-                n, nxt = verify_chain_greedy(tree.tokens, logits)
-                return list(range(n)), nxt
+                n, tokens = verify_chain_greedy(tree.tokens, logits)
+                return list(range(n)), tokens
             return verify_tree_greedy(tree, logits)
         probs = logits_to_probs(logits, sampling)
         if chain:
-            n, nxt = verify_chain_sampling(tree.tokens, q, probs, generator=gen)
-            return list(range(n)), nxt
+            n, tokens = verify_chain_sampling(tree.tokens, q, probs, generator=gen)
+            return list(range(n)), tokens
         return verify_tree_sampling(tree, probs, generator=gen)
 
     # -- drafting ----------------------------------------------------------------------------------

@@ -517,14 +517,15 @@ class DraftRunner(SlotRunner):
         """An EAGLE-2 tree drafted, pruned and masked as ONE static function (one compiled graph, one
         CUDA-graph replay), from the root's draft logits (Vd,) and hidden state (1, H) at `position`.
         Returns (the pruned tree, its verify block (n+1, n+1), depth offsets (n+1,)): what
-        tree.expand / frontier_attention / prune / tree_attention give step by step. Writes
-        (depth - 1) * topk pending rows, like depth - 1 frontier forwards."""
+        tree.expand / frontier_attention / prune / tree_attention give step by step, in the replay's
+        own output buffers (valid until the next call). Writes (depth - 1) * topk pending rows, like
+        depth - 1 frontier forwards."""
         start, rows = self.length + self.pending, (depth - 1) * topk
         assert self.static and self.kv.layers[0].keys is not None, "an extend forward first (static runner)"
         assert self.pending == 0 and rows <= self.max_pending and start + rows <= self.book.max_len
         st = self._one_function(("tree", depth, topk, budget), self._tree, depth, topk, budget, root=logits,
                                 hidden=hidden, position=position, start=start, scratch=max(rows, 1))
-        out = tuple(o.clone() for o in st.run())
+        out = st.run()
         self.pending += rows
         return DraftTree(*out[:4]), out[4], out[5]
 
