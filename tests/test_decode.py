@@ -292,10 +292,12 @@ def test_a_greedy_chain_round_launches_little_outside_its_replays(llama, seqs, d
     assert len(rounds) >= 3
     for banned in ("clone", "equal", "_local_scalar_dense", "max", "zeros", "sub"):
         assert banned not in ops.names, (banned, ops.names)
-    # input copies a round: the extend's ids, taps, positions (its block only when its size changed),
-    # the chain's root and hidden state, the verify's ids and positions (its causal block never again)
-    assert ops.names.count("copy_") <= 8 * len(rounds), ops.names
-    assert ops.names.count("fill_") == 6 * len(rounds)  # `at`: [length, first slot], root position
+    # input copies a round: the extend's ids and taps (its block only when its size changed), the
+    # chain's root and hidden state, the verify's ids (its causal block never again); positions are
+    # written in place, nothing pending: `at` = [length, first slot] is one fill
+    assert ops.names.count("copy_") <= 6 * len(rounds), ops.names
+    assert ops.names.count("arange") == 2 * len(rounds)  # the extend's and the verify's positions
+    assert ops.names.count("fill_") == 4 * len(rounds)  # `at` of the extend, chain and verify; the root's position
 
 
 def test_compiled_greedy_equals_target_greedy(llama, seqs, drafts):

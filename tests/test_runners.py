@@ -82,7 +82,7 @@ def test_draft_runner_matches_uncached_draft(static):
     own, _ = d(seq[None, :9], torch.cat([d.fuse(taps[None, :8]), h[None, -1:]], 1), torch.arange(9)[None])
     torch.testing.assert_close(step, own[0, -1:], atol=1e-5, rtol=1e-5)
     r.commit(0)
-    logits, _ = r.forward({"ids": seq[8:11], "taps": taps[8:11]}, torch.arange(8, 11),
+    logits, _ = r.forward({"ids": seq[8:11], "taps": taps[8:11]}, 8,  # positions 8, 9, 10 as an int
                           torch.ones(3, 3, dtype=torch.bool).tril())
     torch.testing.assert_close(logits, full[0, 8:11], atol=1e-5, rtol=1e-5)
 

@@ -214,7 +214,7 @@ class SpecDecoder:
         while not out.done:
             new = []
             for _ in range(min(self.plain_ahead, out.max_new - len(out.tokens))):  # no host sync inside
-                logits, = run.forward({"ids": tok.view(1)}, self._positions(run.length, 1))
+                logits, = run.forward({"ids": tok.view(1)}, run.length)
                 run.commit(1)
                 tok = self._choose(logits[0], sampling, gen)
                 new.append(tok)
@@ -231,7 +231,7 @@ class SpecDecoder:
         d = self.drafter
         # copy=False on both sides: each output is used (or copied into another graph's inputs) before
         # its graph replays again, in the next round
-        logits, hidden = d.forward({"ids": next_ids, "taps": taps}, self._positions(d.length, n), copy=False)
+        logits, hidden = d.forward({"ids": next_ids, "taps": taps}, d.length, copy=False)
         d.commit(n)
         draft = self._draft_chain if self.spec.mode == "chain" else self._draft_tree
         tree, q, attn = draft(logits[-1], hidden[-1], d.length - 1, sampling, gen)
@@ -240,7 +240,7 @@ class SpecDecoder:
         v = self.verifier
         ids = torch.cat([next_ids[-1:], tree.tokens])  # [root] + nodes
         if self.spec.mode == "chain":  # a chain's tree mask is causal: the runner's cached block
-            logits, taps = v.forward({"ids": ids}, self._positions(v.length, len(ids)), copy=False)
+            logits, taps = v.forward({"ids": ids}, v.length, copy=False)
         else:
             block, rel = attn  # (n+1, n+1), depth offsets
             logits, taps = v.forward({"ids": ids}, v.length + rel, block, copy=False)
@@ -278,8 +278,7 @@ class SpecDecoder:
         tokens, qs = [], []
         for i in range(self.spec.K):
             if i:  # token i-1 at position root_pos + i, seeing the round's earlier draft rows (causal)
-                logits, hidden = self.drafter.forward({"ids": tokens[-1], "hidden": hidden[None]},
-                                                      self._positions(root_pos + i, 1))
+                logits, hidden = self.drafter.forward({"ids": tokens[-1], "hidden": hidden[None]}, root_pos + i)
                 logits, hidden = logits[0], hidden[0]
             if sampling.greedy:
                 tokens.append(self.draft_ids[logits.argmax().view(1)])
@@ -327,10 +326,6 @@ class SpecDecoder:
         if seed is not None:
             gen = torch.Generator(self.device).manual_seed(seed)
         return ids, gen, _Output(max_new_tokens, set(eos_ids or ()), stream)
-
-    def _positions(self, first: int, n: int) -> torch.Tensor:
-        """first, first+1, ... made on the device (a host tensor would cost a copy and a sync)."""
-        return torch.arange(first, first + n, device=self.device)
 
     @staticmethod
     def _choose(logits, sampling: SamplingParams, gen) -> torch.Tensor:

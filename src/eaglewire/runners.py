@@ -240,9 +240,10 @@ class SlotRunner:
         return dst
 
     @torch.no_grad()
-    def forward(self, inputs: dict[str, torch.Tensor], positions: torch.Tensor, block: torch.Tensor | None = None,
+    def forward(self, inputs: dict[str, torch.Tensor], positions: torch.Tensor | int, block: torch.Tensor | None = None,
                 exact: bool = False, pad_to: int | None = None, copy: bool = True) -> tuple[torch.Tensor, ...]:
-        """T new rows: inputs name -> (T, ...), positions (T,), block (T, pending+T) bool = which of this
+        """T new rows: inputs name -> (T, ...), positions (T,) or an int p for p .. p+T-1 (written in place,
+        one launch on CUDA instead of making and copying them), block (T, pending+T) bool = which of this
         round's rows (earlier pending ones, then the new ones) each new row sees, or None: all earlier
         pending rows and the new rows up to itself (causal). The committed prefix is always seen.
         Returns the outputs, each (T, ...). exact: no padding, no graph, not compiled. pad_to: this
@@ -250,7 +251,8 @@ class SlotRunner:
         outputs may be views of a graph's output buffers, valid until this size's next forward (a
         launch less per output for a caller that is done with them by then).
         Inputs already on the device avoid a host-to-device copy (a stream sync on CUDA)."""
-        t, start = positions.shape[0], self.length + self.pending
+        t = positions.shape[0] if isinstance(positions, torch.Tensor) else len(next(iter(inputs.values())))
+        start = self.length + self.pending
         size = None if exact or not self.static else pad_to or next((s for s in self.sizes if s >= t), None)
         ts = size or t
         assert start + ts <= self.book.max_len, "reset() with a larger capacity"
@@ -258,7 +260,9 @@ class SlotRunner:
             assert block.shape == (t, self.pending + t), (tuple(block.shape), t, self.pending)
         if size is None:  # exact: this call's shapes, over slots 0..start+t-1
             feed = {k: v.to(self.device)[None] for k, v in inputs.items()}
-            feed.update(pos=positions.to(self.device)[None], block=self._block(block, t, t, self.pending),
+            pos = positions.to(self.device) if isinstance(positions, torch.Tensor) else \
+                torch.arange(positions, positions + t, device=self.device)
+            feed.update(pos=pos[None], block=self._block(block, t, t, self.pending),
                         at=torch.tensor([self.length, start], device=self.device))
             out = self._call(feed, start + t, compiled=False)
         else:
@@ -266,13 +270,19 @@ class SlotRunner:
             st = self._static_size(ts, inputs)
             for k, v in inputs.items():  # padding rows keep stale (valid) values: they see only themselves
                 st.inputs[k][0, :t].copy_(v)
-            st.inputs["pos"][0, :t].copy_(positions)
+            if isinstance(positions, torch.Tensor):
+                st.inputs["pos"][0, :t].copy_(positions)
+            else:
+                torch.arange(positions, positions + t, out=st.inputs["pos"][0, :t])
             blk = self._block(block, t, ts, self.max_pending)
             if blk is not st.block:  # a cached causal block is copied in once while it stays the same
                 st.inputs["block"].copy_(blk)
                 st.block = blk if block is None else None
-            st.inputs["at"][0].fill_(self.length)  # fill_: no host-to-device copy, no sync
-            st.inputs["at"][1].fill_(start)
+            if start == self.length:  # fill_: no host-to-device copy, no sync
+                st.inputs["at"].fill_(start)
+            else:
+                st.inputs["at"][0].fill_(self.length)
+                st.inputs["at"][1].fill_(start)
             out = st.run()
         self.pending += t
         # Copies: a graph's outputs are overwritten by its next replay.
@@ -435,7 +445,7 @@ class TargetRunner(SlotRunner):
             return self._prefill_chunks(ids)
         self.keep_last = 1  # the prompt's other logits are never used: skip their lm_head
         try:
-            out = self.forward({"ids": ids}, torch.arange(p, device=self.device), exact=True)
+            out = self.forward({"ids": ids}, 0, exact=True)
         finally:
             self.keep_last = 0
         self.commit(p)
@@ -448,8 +458,7 @@ class TargetRunner(SlotRunner):
         for begin in range(0, p, c):
             first = min(begin, max(p - c, 0))
             self.length = first  # rows first..begin-1 are written again, with the same values
-            out = self.forward({"ids": ids[first:first + c]}, torch.arange(first, min(first + c, p), device=self.device),
-                               pad_to=c)
+            out = self.forward({"ids": ids[first:first + c]}, first, pad_to=c)
             self.commit(len(out[0]))
             taps += [t[begin - first:] for t in out[1:]]
         return (out[0][-1], torch.cat(taps)) if taps else (out[0][-1],)
