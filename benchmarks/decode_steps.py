@@ -5,10 +5,11 @@ graphs it replays, for plain decoding, a greedy chain and an EAGLE-2 tree, on th
     python benchmarks/decode_steps.py --random-draft --json out.json      # any target, no checkpoint
     python benchmarks/decode_steps.py --draft CKPT --modes chain --autotune target,none   # an A/B in one process
 
-A round that costs far more than its replays is bound by host work between them (input copies,
-tree bookkeeping, the acceptance sync); one that costs about its replays is bound by the kernels
-inside them (then fuse: --compile). On a CPU there are no graphs: only the round is timed.
-Prints a table and writes the same numbers as JSON.
+"graphs ms" is each graph's GPU time (timed alone) times its replays in a decode round (the prefill's
+left out); "host ms" is the rest of the round. A round that costs far more than its replays is bound
+by host work between them (input copies, tree bookkeeping, the acceptance sync); one that costs about
+its replays is bound by the kernels inside them (then fuse: --compile). On a CPU there are no graphs:
+only the round is timed. Prints a table and writes the same numbers as JSON.
 """
 
 from __future__ import annotations
@@ -64,6 +65,46 @@ def replays(runner) -> dict[str, object]:
     return {str(k): st.run for k, st in runner._static.items() if st.outputs is not None}
 
 
+def replays_per_round(runners, run) -> tuple[dict[str, float], object]:
+    """Call run() (one generation) counting each captured graph's replays outside the target's
+    prefill: {graph: replays per decode round} (the draft's extends split by size, a tree's branch
+    moves as often as they happen), and run()'s result."""
+    counts, saved, prefilling = {}, [], []
+
+    def counted(name, replay):
+        def run_counted():
+            counts[name] += not prefilling
+            return replay()
+        return run_counted
+
+    def flagged(prefill):
+        def run_prefill(*args, **kw):
+            prefilling.append(1)
+            try:
+                return prefill(*args, **kw)
+            finally:
+                prefilling.pop()
+        return run_prefill
+
+    for r in runners:
+        for key, st in r._static.items():
+            if st.outputs is not None:
+                name = f"{type(r).__name__}{key}"
+                counts[name] = 0
+                saved.append((st, st.run))
+                st.run = counted(name, st.run)
+        if isinstance(r, TargetRunner):
+            r.prefill = flagged(r.prefill)
+    try:
+        res = run()
+    finally:
+        for st, replay in saved:
+            st.run = replay
+        for r in runners:
+            r.__dict__.pop("prefill", None)
+    return {k: c / res.num_steps for k, c in counts.items() if c}, res
+
+
 CHOICES = {"target": (True, False), "none": (False, False), "all": (True, True)}  # autotune (target's, draft's)
 
 
@@ -94,8 +135,11 @@ def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: 
                "round_ms_median": statistics.median(r.timings["step_ms"] for r in results[k])}
         if dec.device.type == "cuda":
             runners = [dec.plain] if plain else [dec.drafter, dec.verifier]
+            per_round, _ = replays_per_round(runners, lambda: (dec.generate_plain if plain else dec.generate)(ids, new))
             graphs = {f"{type(r).__name__}{key}": fn for r in runners for key, fn in replays(r).items()}
-            row["graphs"] = {key: graph_ms([fn]) for key, fn in graphs.items()}
+            row["graphs"] = {key: graph_ms([fn]) for key, fn in graphs.items() if key in per_round}
+            row["replays_per_round"] = per_round
+            row["graphs_ms_per_round"] = sum(row["graphs"][key] * n for key, n in per_round.items())
         rows[k] = row
     return rows
 
@@ -157,9 +201,7 @@ def main(argv=None) -> int:
     w = max(24, max(map(len, rows), default=0) + 2)
     print(f"{'mode':<{w}}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
     for name, r in rows.items():
-        g = sum(r["graphs"].values()) if r.get("graphs") else None
-        # one replay of each graph: a tree replays its frontier graph once per level, so for trees
-        # "host" is an upper bound on the host work
+        g = r.get("graphs_ms_per_round")  # each graph's GPU time, times its replays a round
         host = r["round_ms"] - g if g is not None else None
         acc = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         print(f"{name:<{w}}{r['round_ms']:>10.3f}{(f'{g:.3f}' if g is not None else '-'):>11}"

@@ -215,21 +215,23 @@ def test_greedy_other_families(family, tmp_path):
         assert dec.generate(p, 27).tokens == ref
 
 
+def fake_capture(self, fn, captured: list | None = None):
+    """A CUDA graph's contract on a CPU: captured once, a replay re-runs into the SAME output tensors."""
+    out = fn()
+    if captured is not None:
+        captured.append(type(self).__name__)
+
+    def replay():
+        for o, new in zip(out, fn()):
+            o.copy_(new)
+    return replay, out
+
+
 def test_fake_cuda_graphs_replay_static_buffers(llama, seqs, drafts, monkeypatch):
     """The graph path's plumbing on a CPU: capture runs once, replay re-runs into the SAME output
     tensors (as a CUDA graph does), so a missing input copy or a stale output would show."""
     captured = []
-
-    def fake_capture(self, fn):
-        out = fn()
-        captured.append(type(self).__name__)
-
-        def replay():
-            for o, new in zip(out, fn()):
-                o.copy_(new)
-        return replay, out
-
-    monkeypatch.setattr(SlotRunner, "_capture", fake_capture)
+    monkeypatch.setattr(SlotRunner, "_capture", lambda self, fn: fake_capture(self, fn, captured))
     for shape in (CHAIN, TREE):
         dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
         for r in (dec.verifier, dec.drafter, dec.plain):

@@ -1,0 +1,38 @@
+"""benchmarks/decode_steps.py's accounting of a round's graph replays (its GPU timing needs CUDA)."""
+
+import sys
+from pathlib import Path
+
+import eaglewire.decode as decode
+from eaglewire.runners import SlotRunner
+from test_decode import (CHAIN, TREE, drafts, fake_capture, llama, prompts,  # noqa: F401 (fixtures)
+                         reference_greedy, seqs)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from decode_steps import replays_per_round  # noqa: E402
+
+
+def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, monkeypatch):
+    """A chain round replays one draft extend (of one size or the other), the one-replay greedy chain and
+    the verify; a tree round its one-replay tree, the verify and, when a branch is kept, the move.
+    The target's prefill chunks are not a round's work. A broken count (e.g. the prefill counted, or
+    a graph left out) would make the benchmark's host time wrong."""
+    monkeypatch.setattr(SlotRunner, "_capture", fake_capture)
+    p = prompts(seqs)[0]
+    for shape in (CHAIN, TREE):
+        dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+        for r in (dec.verifier, dec.drafter):
+            r.cuda_graphs = True
+        dec.generate(p, 16)  # every size met is captured
+        per_round, res = replays_per_round([dec.drafter, dec.verifier], lambda: dec.generate(p, 16))
+        assert res.tokens == reference_greedy(llama.model, p, 16)
+        verify = {k: v for k, v in per_round.items() if k.startswith("TargetRunner(")}
+        assert verify == {f"TargetRunner{(dec.verifier.sizes[0], ('ids',))}": 1.0}, per_round
+        extends = sum(v for k, v in per_round.items() if "'ids'" in k and k.startswith("DraftRunner"))
+        # the first round's extend covers the whole prompt: a graph only if it fits a static size
+        first = 1 if len(p) <= max(dec.drafter.sizes) else 0
+        assert extends == (res.num_steps - 1 + first) / res.num_steps, per_round
+        kind = "greedy_chain" if shape is CHAIN else "tree"
+        assert [v for k, v in per_round.items() if kind in k] == [1.0], per_round
+        assert "prefill" not in dec.verifier.__dict__  # the wrapper is gone
+    assert 0 < per_round["TargetRunnermove"] <= 1  # the tree kept a branch in some rounds, at most once a round
