@@ -66,6 +66,36 @@ def test_target_runner_matches_full_forward(family, static, chunk):
     assert r.length == 8 and r.pending == 2
 
 
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_layers_share_one_arena_and_a_kept_branch_moves_in_every_layer(family):
+    """Every layer's K/V are views of the runner's arena (DeepSeek-V3's MLA: keys and values of
+    different widths, an arena each), so a kept tree branch moves with one gather and one scatter per
+    arena. A layer whose shapes do not fit the arena keeps buffers of its own, and is moved too: its
+    logits after the move match a plain forward over the kept path."""
+    m = tiny_model(family)
+    r = TargetRunner(m, CONTRACT, static=False, cuda_graphs=False, sizes=(1, 4))
+    r.reset(32)
+    prompt = [5, 17, 99, 3, 42, 7]
+    r.prefill(torch.tensor(prompt))
+    layers = r._layers()
+    arena = layers[0].arena
+    assert not any(layer.own for layer in layers)
+    assert all(layer.keys.untyped_storage().data_ptr() == arena.keys.untyped_storage().data_ptr() for layer in layers)
+    # layer 1 as a layer of another shape would be: buffers of its own
+    layers[1].keys, layers[1].values, layers[1].own = layers[1].keys.clone(), layers[1].values.clone(), True
+    ops = []
+    r._move_all = (lambda move: lambda feed, width: ops.append(1) or move(feed, width))(r._move_all)
+    r.forward({"ids": torch.tensor([10, 11, 12, 13])}, r.length + torch.tensor([0, 1, 1, 2]), tree_block([-1, 0, 0, 1]))
+    r.commit([0, 2])  # keep 10, 12: the slot of 12 moves down over 11's, in the arena and in layer 1
+    assert ops == [1]
+    logits, _ = r.forward({"ids": torch.tensor([20])}, r.length)
+    ref = capture(m, torch.tensor([prompt + [10, 12, 20]]), CONTRACT, logits=True).logits[0, -1]
+    torch.testing.assert_close(logits[0], ref, atol=1e-5, rtol=1e-5)
+    a = type(arena)(2)  # shapes that do not fit the arena's first layer: None
+    k = torch.zeros(1, 2, 1, 4)
+    assert a.views(0, k, k, 8) is not None and a.views(1, torch.zeros(1, 3, 1, 4), k, 8) is None
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_draft_runner_matches_uncached_draft(static):
     d = new_draft(tiny_model("llama"), draft_vocab=100)

@@ -21,7 +21,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from .compiled import capture_graph
-from .runners import SlotLayer, _Book, additive_mask
+from .kv_slots import Book, SlotLayer
+from .runners import additive_mask
 from .targets import cache_kwarg, shared_copy
 
 ATTENTION = "eaglewire_gqa"
@@ -62,7 +63,7 @@ class BatchGenerator:
         self.device, self.dtype = p.device, p.dtype
         self.rows, self.width, self.max_new = rows, width, max_new
         self.cache_kw = cache_kwarg(model)
-        self.book = _Book(max_len=width + max_new)
+        self.book = Book(max_len=width + max_new)
         self.cache = Cache(layers=[SlotLayer(self.book) for _ in range(model.config.num_hidden_layers)])
         self.cols = torch.arange(self.book.max_len, device=self.device)
         self.replay = None

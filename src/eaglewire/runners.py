@@ -1,8 +1,8 @@
 """Both sides of decoding as slot runners: static KV buffers written at slots, masked forwards, CUDA graphs.
 
-gpt-fast style. Every layer's K/V live in one preallocated buffer. A forward writes the K/V of its
-T new tokens at the slots after the committed ones (and after earlier uncommitted "pending" rows of
-the same round) and attends through an explicit mask over the buffer, so
+gpt-fast style. Every layer's K/V live in one preallocated buffer (kv_slots.py). A forward writes
+the K/V of its T new tokens at the slots after the committed ones (and after earlier uncommitted
+"pending" rows of the same round) and attends through an explicit mask over the buffer, so
 
 - a rejected token needs no rollback: `commit` just does not count its slot, the next forward
   overwrites it;
@@ -27,88 +27,17 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .capture import TapHooks, locate
 from .compiled import CompileError, capture_graph, compile_options
+from .kv_slots import Arena, Book, DraftSlotCache, SlotLayer, Slots
 from .taps import TapContract
 from .tree import DraftTree, grow, prune, tree_attention
 from .targets import cache_kwarg, text_config
 
 
 CACHE_ROUNDING = 256  # cache lengths are rounded up to this: nearby lengths keep buffers and graphs
-
-
-@dataclass
-class _Book:
-    """What a runner tells its cache before each forward."""
-
-    max_len: int = 0
-    slots: torch.Tensor | None = None  # (Ts,) where this forward writes its K/V
-    view_len: int = 0  # attention sees slots 0..view_len-1
-
-
-class _Slots:
-    """K/V buffers (B, heads, max_len, D) per layer, allocated on first write, written at book.slots."""
-
-    def __init__(self, book: _Book):
-        self.book = book
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            self.keys = k.new_zeros(*k.shape[:2], self.book.max_len, k.shape[3])
-            self.values = v.new_zeros(*v.shape[:2], self.book.max_len, v.shape[3])
-        self.keys.index_copy_(2, self.book.slots, k)
-        self.values.index_copy_(2, self.book.slots, v)
-        n = self.book.view_len
-        return self.keys[:, :, :n], self.values[:, :, :n]
-
-class SlotLayer(CacheLayerMixin):
-    """A transformers cache layer over `_Slots` (HF attention calls `update`, mask code the sizes)."""
-
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, book: _Book):
-        super().__init__()
-        self.book, self.slots = book, _Slots(book)
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # buffers are made by _Slots
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.is_initialized = True
-        self.keys, self.values = self.slots.write(key_states, value_states)
-        return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.book.view_len, 0
-
-    def get_query_offset(self) -> int:
-        return 0
-
-    def get_seq_length(self) -> int:
-        return self.book.view_len
-
-    def get_max_length(self) -> int:
-        return self.book.max_len
-
-
-class _DraftCache:
-    """The cache protocol `Eagle3Draft`'s attention uses (`append`, `length`), over slot buffers."""
-
-    def __init__(self, book: _Book, num_layers: int):
-        self.book = book
-        self.layers = [_Slots(book) for _ in range(num_layers)]
-
-    @property
-    def length(self) -> int:  # keys before the new ones in the view the draft attends over
-        return self.book.view_len - len(self.book.slots)
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        return self.layers[layer].write(k, v)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -154,7 +83,7 @@ class SlotRunner:
         self.max_pending = max_pending
         self.headroom = max_pending + max(self.sizes, default=0) + 1
         self.max_position = max_position
-        self.book = _Book()
+        self.book = Book()
         self.length = 0  # committed tokens: slots 0..length-1
         self.pending = 0  # rows written this round, not committed: slots length..length+pending-1
         self._static: dict[tuple, _Static] = {}
@@ -183,7 +112,7 @@ class SlotRunner:
     def _run(self, inputs: dict[str, torch.Tensor], pos, mask) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def _layers(self) -> list[_Slots]:
+    def _layers(self) -> list[Slots]:
         raise NotImplementedError
 
     def reset(self, capacity: int) -> None:
@@ -233,10 +162,12 @@ class SlotRunner:
 
     def _move_all(self, feed: dict[str, torch.Tensor], width: int) -> torch.Tensor:
         dst = feed["dst"] + torch.arange(width, device=self.device)
-        for layer in self._layers():
-            for buf in (layer.keys, layer.values):
-                if buf is not None:
-                    buf.index_copy_(2, dst, buf.index_select(2, feed["src"]))
+        layers = self._layers()
+        arena = layers[0].arena if layers else None
+        bufs = [(b, 3) for b in (arena.keys, arena.values)] if arena and arena.keys is not None else []
+        bufs += [(b, 2) for layer in layers if layer.own and layer.keys is not None for b in (layer.keys, layer.values)]
+        for buf, slot_dim in bufs:
+            buf.index_copy_(slot_dim, dst, buf.index_select(slot_dim, feed["src"]))
         return dst
 
     @torch.no_grad()
@@ -403,9 +334,10 @@ class TargetRunner(SlotRunner):
         self._can_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def _new_cache(self) -> None:
-        self.cache = Cache(layers=[SlotLayer(self.book) for _ in range(self.stack.num_layers)])
+        arena = Arena(self.stack.num_layers)
+        self.cache = Cache(layers=[SlotLayer(self.book, arena, i) for i in range(self.stack.num_layers)])
 
-    def _layers(self) -> list[_Slots]:
+    def _layers(self) -> list[Slots]:
         return [layer.slots for layer in self.cache.layers]
 
     def _run(self, inputs, pos, mask):
@@ -471,12 +403,12 @@ class DraftRunner(SlotRunner):
         p = next(draft.parameters())
         super().__init__(p.device, **kw)
         self.draft = draft
-        self.kv: _DraftCache | None = None
+        self.kv: DraftSlotCache | None = None
 
     def _new_cache(self) -> None:
-        self.kv = _DraftCache(self.book, self.draft.config.num_layers)
+        self.kv = DraftSlotCache(self.book, self.draft.config.num_layers)
 
-    def _layers(self) -> list[_Slots]:
+    def _layers(self) -> list[Slots]:
         return self.kv.layers
 
     def _run(self, inputs, pos, mask):
