@@ -376,7 +376,7 @@ def test_lr_cosine_ends_at_the_horizon_when_one_is_given():
 
 
 def test_a_budget_the_run_fits_in_leaves_the_schedule_alone(target, data, root):
-    plain = train(TrainConfig(steps=6, **FAST), target, data, out=root / "plain", progress=False)
+    train(TrainConfig(steps=6, **FAST), target, data, out=root / "plain", progress=False)
     timed = train(TrainConfig(steps=6, time_budget_s=3600, **FAST), target, data, out=root / "timed", progress=False)
     assert load_draft(timed.checkpoint)[1].training["lr_horizon"] == 6
     for k, v in weights(root / "plain").items():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eaglewire.targets import cache_kwarg
-from eaglewire.tree import (ROOT, DraftTree, ancestor_mask, expand, frontier_attention, prune, retrieve_paths,
+from eaglewire.tree import (ROOT, DraftTree, expand, frontier_attention, prune, retrieve_paths,
                             root_frontier, tree_attention)
 
 from tiny import tiny_model
