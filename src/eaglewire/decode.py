@@ -227,16 +227,7 @@ class SpecDecoder:
         indices, committed tokens (accepted + 1 more), (taps, next tokens) for the next extend).
         The root, the last committed token, is the last of the next tokens."""
         taps, next_ids = feed
-        n = len(next_ids)
-        d = self.drafter
-        # copy=False on both sides: each output is used (or copied into another graph's inputs) before
-        # its graph replays again, in the next round
-        logits, hidden = d.forward({"ids": next_ids, "taps": taps}, d.length, copy=False)
-        d.commit(n)
-        draft = self._draft_chain if self.spec.mode == "chain" else self._draft_tree
-        tree, q, attn = draft(logits[-1], hidden[-1], d.length - 1, sampling, gen)
-        d.commit(0)  # the draft's own speculative rows are never kept: the next extend rewrites them
-
+        tree, q, attn = self._draft({"ids": next_ids, "taps": taps}, sampling, gen)
         v = self.verifier
         ids = torch.cat([next_ids[-1:], tree.tokens])  # [root] + nodes
         if self.spec.mode == "chain":  # a chain's tree mask is causal: the runner's cached block
@@ -266,6 +257,23 @@ class SpecDecoder:
         return verify_tree_sampling(tree, probs, generator=gen)
 
     # -- drafting ----------------------------------------------------------------------------------
+    def _draft(self, extend: dict[str, torch.Tensor], sampling: SamplingParams, gen):
+        """Extend the draft with the last round's committed tokens and their taps, then draft: a greedy
+        chain on static shapes does both in one replay. Returns (tree, q, verify block and offsets)."""
+        d, chain = self.drafter, self.spec.mode == "chain"
+        tokens = d.extend_greedy_chain(extend, self.spec.K - 1) if chain and sampling.greedy else None
+        if tokens is not None:
+            tree, q, attn = DraftTree.chain(tokens), None, None
+        else:
+            # copy=False (here and for the verify): each output is used, or copied into another graph's
+            # inputs, before its graph replays again in the next round
+            logits, hidden = d.forward(extend, d.length, copy=False)
+            d.commit(len(extend["ids"]))
+            draft = self._draft_chain if chain else self._draft_tree
+            tree, q, attn = draft(logits[-1], hidden[-1], d.length - 1, sampling, gen)
+        d.commit(0)  # the draft's own speculative rows are never kept: the next extend rewrites them
+        return tree, q, attn
+
     def _draft_chain(self, logits, hidden, root_pos: int, sampling, gen):
         """K tokens, each fed back with the draft's own hidden state. Returns (chain, q (K, V) or None, None):
         greedy takes the draft's argmax; sampling draws from the draft's distribution (its q goes to

@@ -199,25 +199,32 @@ class SlotRunner:
         else:
             assert self.pending <= self.max_pending, ("more pending rows than max_pending", self.pending)
             st = self._static_size(ts, inputs)
-            for k, v in inputs.items():  # padding rows keep stale (valid) values: they see only themselves
-                st.inputs[k][0, :t].copy_(v)
-            if isinstance(positions, torch.Tensor):
-                st.inputs["pos"][0, :t].copy_(positions)
-            else:
-                torch.arange(positions, positions + t, out=st.inputs["pos"][0, :t])
-            blk = self._block(block, t, ts, self.max_pending)
-            if blk is not st.block:  # a cached causal block is copied in once while it stays the same
-                st.inputs["block"].copy_(blk)
-                st.block = blk if block is None else None
-            if start == self.length:  # fill_: no host-to-device copy, no sync
-                st.inputs["at"].fill_(start)
-            else:
-                st.inputs["at"][0].fill_(self.length)
-                st.inputs["at"][1].fill_(start)
+            self._fill(st, inputs, positions, block, t, ts)
             out = st.run()
         self.pending += t
         # Copies: a graph's outputs are overwritten by its next replay.
         return tuple(o[0, :t].clone() if copy else o[0, :t] for o in out)
+
+    def _fill(self, st: _Static, inputs: dict[str, torch.Tensor], positions: torch.Tensor | int,
+              block: torch.Tensor | None, t: int, ts: int) -> None:
+        """A static forward's buffers filled for this call's T rows (padding rows keep stale, valid
+        values: they see only themselves)."""
+        start = self.length + self.pending
+        for k, v in inputs.items():
+            st.inputs[k][0, :t].copy_(v)
+        if isinstance(positions, torch.Tensor):
+            st.inputs["pos"][0, :t].copy_(positions)
+        else:
+            torch.arange(positions, positions + t, out=st.inputs["pos"][0, :t])
+        blk = self._block(block, t, ts, self.max_pending)
+        if blk is not st.block:  # a cached causal block is copied in once while it stays the same
+            st.inputs["block"].copy_(blk)
+            st.block = blk if block is None else None
+        if start == self.length:  # fill_: no host-to-device copy, no sync
+            st.inputs["at"].fill_(start)
+        else:
+            st.inputs["at"][0].fill_(self.length)
+            st.inputs["at"][1].fill_(start)
 
     def _block(self, block: torch.Tensor | None, t: int, ts: int, width: int) -> torch.Tensor:
         """(Ts, width + Ts) bool over the slots from `length` on: block in the top left, padding rows see
@@ -286,13 +293,19 @@ class SlotRunner:
         """The buffers of size Ts for these input kinds; on CUDA with graphs, its graph (captured once)."""
         key = (ts, tuple(sorted(example)))
         if key not in self._static:
-            s, dev = self.book.max_len, self.device
-            inputs = {k: torch.zeros(1, ts, *v.shape[1:], dtype=v.dtype, device=dev) for k, v in example.items()}
-            inputs.update(pos=torch.zeros(1, ts, dtype=torch.long, device=dev),
-                          block=torch.eye(ts, self.max_pending + ts, dtype=torch.bool, device=dev),
-                          at=torch.tensor([0, s - ts], device=dev))  # capture writes land in scratch slots
-            self._static[key] = self._make_static(inputs, lambda: self._call(inputs, s, tuned=ts == 1))
+            inputs = self._static_inputs(ts, example, scratch=ts)
+            self._static[key] = self._make_static(inputs, lambda: self._call(inputs, self.book.max_len,
+                                                                             tuned=ts == 1))
         return self._static[key]
+
+    def _static_inputs(self, ts: int, example: dict[str, torch.Tensor], scratch: int) -> dict[str, torch.Tensor]:
+        """Input buffers of a static forward of Ts rows; a capture's writes land in the last `scratch` slots."""
+        s, dev = self.book.max_len, self.device
+        inputs = {k: torch.zeros(1, ts, *v.shape[1:], dtype=v.dtype, device=dev) for k, v in example.items()}
+        inputs.update(pos=torch.zeros(1, ts, dtype=torch.long, device=dev),
+                      block=torch.eye(ts, self.max_pending + ts, dtype=torch.bool, device=dev),
+                      at=torch.tensor([0, s - scratch], device=dev))
+        return inputs
 
     def _make_static(self, inputs: dict[str, torch.Tensor], fn) -> _Static:
         """A static-shape function over fixed input buffers: a captured CUDA graph, or a plain call."""
@@ -424,17 +437,63 @@ class DraftRunner(SlotRunner):
             s, dev = self.book.max_len, self.device
             inputs = {"root": torch.zeros_like(root, device=dev), "hidden": torch.zeros_like(hidden, device=dev),
                       "pos": torch.zeros(1, dtype=torch.long, device=dev), "at": torch.tensor([s - scratch], device=dev)}
-            compiled = torch.compile(fn, dynamic=False, options=compile_options(dev, self.autotune)) \
-                if self.compiles else None
-            run = (lambda: self._guarded(compiled, inputs, *args)) if compiled is not None else \
-                (lambda: fn(inputs, *args))
-            self._static[key] = self._make_static(inputs, run)
+            self._static_function(key, fn, inputs, *args)
         st = self._static[key]
         st.inputs["root"].copy_(root)
         st.inputs["hidden"].copy_(hidden)
         st.inputs["pos"].fill_(position)
         st.inputs["at"].fill_(start)
         return st
+
+    def _static_function(self, key: tuple, fn, inputs: dict[str, torch.Tensor], *args) -> None:
+        """fn(inputs, *args) over the fixed buffers `inputs`, compiled if the runner compiles, as static
+        key. Eager while the K/V buffers are not made yet (as _call)."""
+        compiled = torch.compile(fn, dynamic=False, options=compile_options(self.device, self.autotune)) \
+            if self.compiles else None
+
+        def run():
+            if compiled is None or any(layer.keys is None for layer in self._layers()):
+                return fn(inputs, *args)
+            return self._guarded(compiled, inputs, *args)
+        self._static[key] = self._make_static(inputs, run)
+
+    @torch.no_grad()
+    def extend_greedy_chain(self, inputs: dict[str, torch.Tensor], steps: int) -> torch.Tensor | None:
+        """An extend over the T rows of `inputs` (forward(inputs, length): causal, then committed) and
+        `steps` greedy draft steps from its last row, as ONE static function: one replay, none of the
+        host work between two. Returns (1 + steps,) target ids (the draft's argmax after the extend,
+        then greedy_chain's), the replay's own buffer (valid until the next call); the chain's rows
+        stay pending. None where T fits no static size (a long prompt's first extend): then forward
+        and greedy_chain do it in two."""
+        t = len(next(iter(inputs.values())))
+        ts = next((s for s in self.sizes if s >= t), None)
+        if not self.static or ts is None or self.pending:
+            return None
+        assert self.length + ts + steps <= self.book.max_len, "reset() with a larger capacity"
+        key = ("extend_chain", ts, tuple(sorted(inputs)), steps)
+        if key not in self._static:
+            buffers = self._static_inputs(ts, inputs, scratch=ts + steps)
+            buffers["last"] = torch.zeros(1, dtype=torch.long, device=self.device)
+            self._static_function(key, self._extend_chain, buffers, steps)
+        st = self._static[key]
+        self._fill(st, inputs, self.length, None, t, ts)
+        st.inputs["last"].fill_(t - 1)
+        tokens, = st.run()
+        self.pending = t
+        self.commit(t)
+        self.pending = steps
+        return tokens
+
+    def _extend_chain(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
+        logits, hidden = self._masked_forward({k: v for k, v in feed.items() if k != "last"}, self.book.max_len)
+        last = feed["last"]  # (1,): the extend's last real row
+        root = self.draft.draft_to_target(logits[0].index_select(0, last).argmax(-1))  # (1,)
+        if not steps:
+            return (root,)
+        chain = {"root": root, "hidden": hidden[0].index_select(0, last),
+                 "pos": feed["pos"][0].index_select(0, last) + 1, "at": feed["at"][1:] + last + 1}
+        tokens, = self._greedy_chain(chain, steps)
+        return (torch.cat([root, tokens]),)
 
     @torch.no_grad()
     def greedy_chain(self, token: torch.Tensor, hidden: torch.Tensor, position: int, steps: int) -> torch.Tensor:
