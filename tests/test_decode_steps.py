@@ -33,6 +33,7 @@ def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, 
             assert all("extend_chain" in k for k in draft) and sum(per_round[k] for k in draft) == 1.0, per_round
         else:
             extends = sum(per_round[k] for k in draft if "'ids'" in k)
-            assert extends == 1.0 and per_round[f"DraftRunner{('tree', TREE['depth'], TREE['topk'], TREE['budget'])}"] == 1.0, per_round
+            tree = f"DraftRunner{('tree', TREE['depth'], TREE['topk'], TREE['budget'])}"
+            assert extends == 1.0 and per_round[tree] == 1.0, per_round
         assert "prefill" not in dec.verifier.__dict__  # the wrapper is gone
     assert 0 < per_round["TargetRunnermove"] <= 1  # the tree kept a branch in some rounds, at most once a round
