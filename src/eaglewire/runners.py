@@ -126,26 +126,22 @@ class SlotRunner:
 
     def commit(self, keep: torch.Tensor | list[int] | int) -> None:
         """Keep pending rows: an int n keeps rows 0..n-1, a list/tensor those rows in that order."""
-        if isinstance(keep, list) and keep == list(range(len(keep))):  # a prefix, without tensor ops
-            keep = len(keep)
-        if not isinstance(keep, int):
-            rows = torch.as_tensor(keep, dtype=torch.long).cpu()
-            assert rows.numel() == 0 or int(rows.max()) < self.pending, "commit of a row never written"
-            if torch.equal(rows, torch.arange(len(rows))):
-                keep = len(rows)
-            else:  # a tree branch: copy its slots down
-                self._move(rows + self.length)
-                keep = len(rows)
+        if not isinstance(keep, int):  # host-side lists: no tensor ops before the move
+            rows = keep.tolist() if isinstance(keep, torch.Tensor) else [int(r) for r in keep]
+            assert not rows or max(rows) < self.pending, "commit of a row never written"
+            if rows != list(range(len(rows))):  # a tree branch: copy its slots down
+                self._move([r + self.length for r in rows])
+            keep = len(rows)
         assert keep <= self.pending
         self.length += keep
         self.pending = 0
 
-    def _move(self, src: torch.Tensor) -> None:
-        """Copy slots `src` (host tensor) to length, length+1, ... in every layer's K and V. `src` is
-        padded to a fixed width with slots that copy onto themselves (every read happens before any
-        write), so with CUDA graphs it is one replay instead of two ops per layer and buffer."""
+    def _move(self, src: list[int]) -> None:
+        """Copy slots `src` to length, length+1, ... in every layer's K and V. `src` is padded to a fixed
+        width with slots that copy onto themselves (every read happens before any write), so with CUDA
+        graphs it is one replay."""
         width = self.max_pending + max(self.sizes)  # the most rows one round writes
-        padded = torch.cat([src, torch.arange(self.length + len(src), self.length + width)])
+        padded = torch.tensor(src + list(range(self.length + len(src), self.length + width)))
         if not self.cuda_graphs:
             self._move_all({"src": padded.to(self.device), "dst": torch.tensor([self.length], device=self.device)},
                            width)
