@@ -24,7 +24,6 @@ def tree_block(parents):
     return block
 
 
-
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "deepseek_v3", "gemma", "multimodal", "llama-eager"])
 @pytest.mark.parametrize("static, chunk", [(False, None), (True, None), (True, 5), (True, 3)],
                          ids=["exact", "static", "chunks-overlap", "chunks-even"])
@@ -115,7 +114,6 @@ def test_draft_runner_matches_uncached_draft(static):
     logits, _ = r.forward({"ids": seq[8:11], "taps": taps[8:11]}, 8,  # positions 8, 9, 10 as an int
                           torch.ones(3, 3, dtype=torch.bool).tril())
     torch.testing.assert_close(logits, full[0, 8:11], atol=1e-5, rtol=1e-5)
-
 
 
 def test_target_forwards_autotune_their_matmuls_on_cuda_only():

@@ -115,6 +115,11 @@ class SlotRunner:
     def _layers(self) -> list[Slots]:
         raise NotImplementedError
 
+    def _kv_made(self) -> bool:
+        """Whether the K/V buffers exist: the first forward after a new cache makes them, eagerly (a
+        compiled function must find them in place, else its guard `keys is None` recompiles)."""
+        return all(layer.keys is not None for layer in self._layers())
+
     def reset(self, capacity: int) -> None:
         """Forget the sequence; make room for `capacity` committed tokens plus one round's rows."""
         need = capacity + self.headroom
@@ -267,10 +272,9 @@ class SlotRunner:
 
     def _call(self, feed: dict[str, torch.Tensor], view_len: int, compiled: bool = True,
               tuned: bool = True) -> tuple[torch.Tensor, ...]:
-        """_masked_forward, compiled if the runner compiles (autotuned if `tuned` and the runner autotunes).
-        The first call after a new cache runs eagerly: it allocates the K/V buffers, which the compiled
-        function must find in place (else its guard `keys is None` recompiles)."""
-        if not compiled or self._compiled is None or any(layer.keys is None for layer in self._layers()):
+        """_masked_forward, compiled if the runner compiles (autotuned if `tuned` and the runner autotunes),
+        eager until the K/V buffers are made (_kv_made)."""
+        if not compiled or self._compiled is None or not self._kv_made():
             return self._masked_forward(feed, view_len)
         return self._guarded(self._compiled if tuned else self._compiled_untuned, feed, view_len)
 
@@ -443,12 +447,12 @@ class DraftRunner(SlotRunner):
 
     def _static_function(self, key: tuple, fn, inputs: dict[str, torch.Tensor], *args) -> None:
         """fn(inputs, *args) over the fixed buffers `inputs`, compiled if the runner compiles, as static
-        key. Eager while the K/V buffers are not made yet (as _call)."""
+        key. Eager until the K/V buffers are made (_kv_made)."""
         compiled = torch.compile(fn, dynamic=False, options=compile_options(self.device, self.autotune)) \
             if self.compiles else None
 
         def run():
-            if compiled is None or any(layer.keys is None for layer in self._layers()):
+            if compiled is None or not self._kv_made():
                 return fn(inputs, *args)
             return self._guarded(compiled, inputs, *args)
         self._static[key] = self._make_static(inputs, run)
@@ -475,9 +479,7 @@ class DraftRunner(SlotRunner):
         self._fill(st, inputs, self.length, None, t, ts)
         st.inputs["last"].fill_(t - 1)
         tokens, = st.run()
-        self.pending = t
-        self.commit(t)
-        self.pending = steps
+        self.length, self.pending = self.length + t, steps  # the extend's rows kept, the chain's pending
         return tokens
 
     def _extend_chain(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
@@ -499,7 +501,7 @@ class DraftRunner(SlotRunner):
         the device -> (steps,) target ids, the replay's own output buffer (valid until the next call:
         the decoder concatenates them at once). Writes `steps` pending rows, like `steps` forwards."""
         start = self.length + self.pending
-        assert self.static and self.kv.layers[0].keys is not None, "an extend forward first (static runner)"
+        assert self.static and self._kv_made(), "an extend forward first (static runner)"
         assert self.pending + steps <= self.max_pending + max(self.sizes) and start + steps <= self.book.max_len
         st = self._one_function(("greedy_chain", steps), self._greedy_chain, steps, root=token, hidden=hidden,
                                 position=position, start=start, scratch=steps)
@@ -517,7 +519,7 @@ class DraftRunner(SlotRunner):
         own output buffers (valid until the next call). Writes (depth - 1) * topk pending rows, like
         depth - 1 frontier forwards."""
         start, rows = self.length + self.pending, (depth - 1) * topk
-        assert self.static and self.kv.layers[0].keys is not None, "an extend forward first (static runner)"
+        assert self.static and self._kv_made(), "an extend forward first (static runner)"
         assert self.pending == 0 and rows <= self.max_pending and start + rows <= self.book.max_len
         st = self._one_function(("tree", depth, topk, budget), self._tree, depth, topk, budget, root=logits,
                                 hidden=hidden, position=position, start=start, scratch=max(rows, 1))
