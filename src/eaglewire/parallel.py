@@ -36,9 +36,11 @@ class Dist:
         dev = torch.device("cuda", local) if cuda else torch.device("cpu")
         own = not dist.is_initialized()
         if own:
-            if cuda:
+            if cuda:  # bound to its GPU up front: NCCL otherwise guesses it from the rank and warns of hangs
                 torch.cuda.set_device(dev)
-            dist.init_process_group("nccl" if cuda else "gloo")
+                dist.init_process_group("nccl", device_id=dev)
+            else:
+                dist.init_process_group("gloo")
         return cls(dist.get_rank(), dist.get_world_size(), dev, own)
 
     @property
