@@ -32,3 +32,18 @@ def test_cpu_ranks_use_gloo_without_a_device(monkeypatch):
     d, calls = joined(monkeypatch, cuda=False, local_rank=0)
     assert (d.rank, d.world, d.device) == (0, 2, torch.device("cpu"))
     assert calls == [("gloo", {})]
+
+
+def test_mfu_of_several_gpus_is_per_gpu(capsys):
+    """The training tokens/s is all ranks' together, so the ninth H200 run's 182,431 tok/s on two GPUs
+    (1.24 GFLOP a token) is 11.4% of each GPU's peak, not the 22.8% it first reported."""
+    from types import SimpleNamespace
+
+    from eaglewire import metrics
+    from eaglewire.train import _Run
+    run = SimpleNamespace(device=torch.device("cuda"), flops=1.24e9, dist=SimpleNamespace(world=2))
+    mfu = _Run._mfu(run, 182431.0)
+    assert abs(mfu - 0.1144) < 1e-3
+    metrics.print_summary("ckpt", {"tokens_per_s": 182431.0, "mfu": mfu, "peak_tflops": 989.0, "world_size": 2,
+                                   "flops_per_token": 1.24e9})
+    assert "MFU 11.4% of 989 TFLOP/s on each of 2 GPUs" in capsys.readouterr().out

@@ -338,7 +338,7 @@ class _Run:
     def _mfu(self, tokens_per_s: float | None) -> float | None:
         if not tokens_per_s or self.device.type != "cuda":
             return None  # the peak is a GPU's
-        return tokens_per_s * self.flops / (PEAK_TFLOPS * 1e12)
+        return tokens_per_s * self.flops / (PEAK_TFLOPS * 1e12 * self.dist.world)  # tokens_per_s is all ranks
 
     def _log_eval(self, done: int) -> dict:
         s = self.evaluate()
@@ -371,7 +371,7 @@ class _Run:
         self.dist.barrier()
         return TrainResult(self.out, {"heldout": final, "steps": done, "stopped_early": stopped,
                                       "tokens_per_s": tps, "mfu": self._mfu(tps), "flops_per_token": self.flops,
-                                      "peak_tflops": PEAK_TFLOPS,
+                                      "peak_tflops": PEAK_TFLOPS, "world_size": self.dist.world,
                                       "train_seconds": self.t_train})
 
 
