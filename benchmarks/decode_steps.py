@@ -108,13 +108,17 @@ def replays_per_round(runners, run) -> tuple[dict[str, float], object]:
 CHOICES = {"target": (True, False), "none": (False, False), "all": (True, True)}  # autotune (target's, draft's)
 
 
-def warmed(make, choice: str, ids: torch.Tensor, new: int, plain: bool) -> SpecDecoder:
+ATTENTION = {"grouped": True, "sdpa": False}  # SpecDecoder(grouped_attention=...)
+
+
+def warmed(make, choice: str, attn: str, ids: torch.Tensor, new: int, plain: bool) -> SpecDecoder:
     """A decoder built and warmed up (every size this prompt meets compiled and captured) under one
-    autotuning choice: runners bind it when they create their compiled functions, during the warm-up."""
+    autotuning choice (runners bind it when they create their compiled functions, during the warm-up)
+    and one attention."""
     shipped = TargetRunner.autotune, DraftRunner.autotune
     TargetRunner.autotune, DraftRunner.autotune = CHOICES[choice]
     try:
-        dec = make()
+        dec = make(grouped_attention=ATTENTION[attn])
         (dec.generate_plain if plain else dec.generate)(ids, new)
     finally:
         TargetRunner.autotune, DraftRunner.autotune = shipped
@@ -164,6 +168,9 @@ def main(argv=None) -> int:
     p.add_argument("--autotune", default="target", metavar="CHOICES",
                    help="whose compiled single-row forwards autotune their matmuls on CUDA: target (as the decoder "
                    "ships), none, all; a comma-separated list times each choice in turn, in this process")
+    p.add_argument("--attention", default="grouped", metavar="CHOICES",
+                   help="the target's attention: grouped (K/V heads read in place, as the decoder ships) or sdpa "
+                   "(transformers' own, K/V repeated per query head); a comma-separated list times each in turn")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
@@ -171,6 +178,10 @@ def main(argv=None) -> int:
     choices = a.autotune.split(",")
     if not set(choices) <= set(CHOICES):
         p.error(f"--autotune {a.autotune}: choose from {', '.join(CHOICES)}")
+    attns = a.attention.split(",")
+    if not set(attns) <= set(ATTENTION):
+        p.error(f"--attention {a.attention}: choose from {', '.join(ATTENTION)}")
+    arms = [(c, at) for c in choices for at in attns]
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t = targets.load_target(a.target, device=device)
     dtype = next(t.model.parameters()).dtype
@@ -187,17 +198,17 @@ def main(argv=None) -> int:
     for name, shape in shapes.items():
         if name.split()[0] not in modes:
             continue
-        def make(shape=shape):
+        def make(shape=shape, **kw):
             return SpecDecoder(t, None if shape is None else draft, None if shape is None else meta, **(shape or {}),
-                               **common)
-        decs = {c: warmed(make, c, ids, a.new, plain=shape is None) for c in choices}
-        for c, row in measure(decs, ids, a.new, a.repeats, plain=shape is None).items():
-            rows[name if len(choices) == 1 else f"{name} [{c}]"] = row
-        dec = decs[choices[0]]
+                               **common, **kw)
+        decs = {f"{c}/{at}": warmed(make, c, at, ids, a.new, plain=shape is None) for c, at in arms}
+        for arm, row in measure(decs, ids, a.new, a.repeats, plain=shape is None).items():
+            rows[name if len(arms) == 1 else f"{name} [{arm}]"] = row
+        dec = next(iter(decs.values()))
 
     print(f"decode rounds: {a.target} {str(dtype).split('.')[-1]} on "
           f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}, "
-          f"autotune={a.autotune}, fused projections={dec.fused_projections}")
+          f"autotune={a.autotune}, attention={a.attention}, fused projections={dec.fused_projections}")
     w = max(24, max(map(len, rows), default=0) + 2)
     print(f"{'mode':<{w}}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
     for name, r in rows.items():

@@ -10,7 +10,8 @@ the warm-up compiles them, and a size first met while timed is counted in `graph
 On a CPU in fp32 they run oneDNN-packed linear layers (prepack.py; "+onednn" in the run's name), while
 (a) keeps transformers' own: the engines differ in their matrix kernels too, and (b) shows by how much.
 `fuse_projections` (on: SpecDecoder's default, targets up to 1B parameters) runs (b) and (c) with
-q/k/v and gate/up as one matmul each ("+fused"; projections.py).
+q/k/v and gate/up as one matmul each ("+fused"; projections.py). `grouped_attention` (on: SpecDecoder's
+default) runs a target whose query heads share K/V heads through attention.py's grouped sdpa ("+grouped").
 
 Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
 `completion_tokens / spec_verify_ct`, vLLM `1 + accepted / drafts`). Acceptance rate at draft
@@ -71,6 +72,7 @@ class BenchConfig:
     compile: bool | str = "auto"  # torch.compile our decoder's forwards; auto: on cuda, not on cpu
     prepack: bool = True  # oneDNN-packed linears for our decoder where they apply (fp32 on a cpu, not compiled)
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each in our decoder's target (small targets)
+    grouped_attention: bool = True  # K/V heads read in place, not repeated per query head (attention.py)
     warmup: bool = True
     seed: int = 0
     bandwidth: float | None = None  # bytes/s; None: BANDWIDTH by device name
@@ -94,8 +96,9 @@ class BenchConfig:
             bad("compile", "must be auto, True or False")
         if not isinstance(self.prepack, bool):
             bad("prepack", "must be True or False")
-        if not isinstance(self.fuse_projections, bool):
-            bad("fuse_projections", "must be True or False")
+        for f in ("fuse_projections", "grouped_attention"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "must be True or False")
         if self.hf_cache not in ("auto", "dynamic", "static"):
             bad("hf_cache", "must be auto, dynamic or static")
         if self.bandwidth is not None and not self.bandwidth > 0:
@@ -181,7 +184,8 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     # The pair check (taps, hidden size, vocab, fingerprint) runs here, before anything is timed.
     dec = SpecDecoder(target, draft if speculate else None, meta if speculate else None, mode=cfg.mode,
                       cuda_graphs=graphs, compile=cfg.compiles(device), prepack=None if cfg.prepack else False,
-                      fuse_projections=None if cfg.fuse_projections else False, **shape)
+                      fuse_projections=None if cfg.fuse_projections else False,
+                      grouped_attention=cfg.grouped_attention, **shape)
     greedy = cfg.sampling.greedy
 
     def run(ids: torch.Tensor, max_new: int, seed: int = 0) -> Generation:
@@ -198,7 +202,7 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
                            f"chain-K{cfg.chain}" if cfg.mode == "chain"
                            else f"tree-d{cfg.depth}-k{cfg.topk}-b{cfg.budget}")
     return name + ("+compile" if cfg.compiles(device) else "") + ("+onednn" if dec.prepack else "") + \
-        ("+fused" if dec.fused_projections else ""), run, dec
+        ("+fused" if dec.fused_projections else "") + ("+grouped" if dec.grouped_attention else ""), run, dec
 
 
 def run_prompts(label: str, run, prompts: list[torch.Tensor], cfg: BenchConfig, device: torch.device,
@@ -511,7 +515,7 @@ def cmd_bench(args) -> int:
                     chain=args.chain or 7, depth=args.depth, topk=args.topk, budget=args.budget, device=args.device,
                     dtype=args.dtype, hf=not args.no_hf, hf_cache=args.hf_cache, cuda_graphs=not args.no_cuda_graphs,
                     compile="auto" if args.compile is None else args.compile, prepack=not args.no_prepack,
-                    fuse_projections=not args.no_fuse_projections,
+                    fuse_projections=not args.no_fuse_projections, grouped_attention=not args.no_grouped_attention,
                     warmup=not args.no_warmup, seed=args.seed,
                     bandwidth=args.bandwidth * 1e12 if args.bandwidth else None)
     if args.tree and args.chain:
@@ -566,6 +570,9 @@ def register(sub) -> None:
     p.add_argument("--no-fuse-projections", action="store_true",
                    help="keep q/k/v and gate/up apart in our decoder's target (default: one matmul each for "
                         "targets up to 1B parameters, fewer kernels a step)")
+    p.add_argument("--no-grouped-attention", action="store_true",
+                   help="transformers' own sdpa in our decoder's target, which copies K/V for every query head "
+                        "(default: each K/V head read in place where query heads share them)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",

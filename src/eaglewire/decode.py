@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import attention, projections
 from . import prepack as packing
-from . import projections
 from .acceptance import (SamplingParams, logits_to_probs, verify_chain_greedy, verify_chain_sampling,
                          verify_tree_greedy, verify_tree_sampling)
 from .errors import UsageError
 from .runners import DraftRunner, TargetRunner
-from .targets import compare_fingerprints
+from .targets import compare_fingerprints, shared_copy
 from .tree import DraftTree, grow, prune, tree_attention
 
 MODES = ("chain", "tree")
@@ -122,13 +122,15 @@ class SpecDecoder:
     merge by itself (SmolLM2-135M, a plain step: H200 compiled 1.51 -> 1.21 ms; 2-core CPU within
     noise). None: on for targets up to FUSE_MAX_PARAMS, whose steps are bound by their kernel
     count; the copy holds those projections twice, which a big target cannot spare.
+    grouped_attention runs a target whose query heads share K/V heads through attention.grouped_sdpa
+    (each K/V head read in place) instead of transformers' sdpa, which copies the K/V for every query head.
     device/dtype move the target (and the draft follows the target).
     """
 
     def __init__(self, target, draft=None, meta=None, *, mode: str = "chain", K: int = 7, depth: int = 6,
                  topk: int = 8, budget: int = 63, device=None, dtype=None, cuda_graphs: bool = False,
                  static_shapes: bool = False, compile: bool = False, prepack: bool | None = None,
-                 fuse_projections: bool | None = None, strict: bool = False):
+                 fuse_projections: bool | None = None, grouped_attention: bool = True, strict: bool = False):
         self.spec = SpecConfig(mode=mode, K=K, depth=depth, topk=topk, budget=budget)
         self.target, self.draft = target, draft
         if device is not None or dtype is not None:
@@ -151,6 +153,12 @@ class SpecDecoder:
         self.fused_projections = fused is not target.model  # False when the model has no such group
         model = packing.prepacked(fused) if pack else fused
         self.prepack = model is not fused  # False too when no layer is large enough to pack
+        if grouped_attention:
+            own = model if model is not target.model else shared_copy(model)  # its config changes
+            self.grouped_attention = attention.use_grouped(own)  # False: no shared K/V heads, or not sdpa
+            model = own if self.grouped_attention else model
+        else:
+            self.grouped_attention = False
         self.plain = TargetRunner(model, None, sizes=(1,), **graphs)
         self.warnings: list[str] = []
         if draft is None:

@@ -1,0 +1,97 @@
+"""attention.py: grouped-query attention over K/V heads read in place, against transformers' sdpa path
+(transformers.integrations.sdpa_attention: `repeat_kv`, then F.scaled_dot_product_attention)."""
+
+import types
+
+import pytest
+import torch
+import transformers as tf
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from eaglewire import attention
+from eaglewire.decode import SpecDecoder
+from eaglewire.targets import Target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def inputs(t: int, heads: int, kv_heads: int, s: int = 24, additive: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, t, 16, generator=g)
+    k, v = torch.randn(2, 1, kv_heads, s, 16, generator=g)
+    allowed = torch.rand(1, 1, t, s, generator=g) > 0.4
+    allowed[..., 0] = True  # every row sees something
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min) if additive else allowed
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("additive", [True, False])
+def test_grouped_attention_equals_transformers_sdpa_with_repeated_kv(t, additive):
+    q, k, v, mask = inputs(t, heads=6, kv_heads=2, additive=additive)
+    module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)  # (1, T, 6, 16)
+    got, none = attention.grouped_sdpa(module, q, k, v, mask, scaling=0.25)
+    assert none is None and got.shape == want.shape == (1, t, 6, 16)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # query head h reads K/V head h // 3, as repeat_kv has it: swapping K/V heads must change heads 0-2 only
+    swapped, _ = attention.grouped_sdpa(module, q, k.flip(1), v.flip(1), mask, scaling=0.25)
+    assert not torch.allclose(swapped[:, :, :3], want[:, :, :3]) and not torch.allclose(swapped[:, :, 3:], want[:, :, 3:])
+    torch.testing.assert_close(swapped[:, :, :3], sdpa_attention_forward(module, q, k.flip(1), v.flip(1), mask,
+                                                                         scaling=0.25)[0][:, :, :3])
+
+
+def test_rows_keep_their_own_mask():
+    """Row t of every query head sees what the mask's row t allows, not another row's."""
+    q, k, v, mask = inputs(4, heads=4, kv_heads=2, additive=False)
+    out = attention.grouped_attention(q, k, v, mask)
+    for t in range(4):
+        keep = mask[0, 0, t]
+        ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, t:t + 1], k.repeat_interleave(2, 1)[:, :, keep],
+                                                               v.repeat_interleave(2, 1)[:, :, keep])
+        torch.testing.assert_close(out[:, :, t:t + 1], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_without_shared_heads_it_is_transformers_sdpa():
+    q, k, v, mask = inputs(3, heads=2, kv_heads=2)
+    module = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
+    got, _ = attention.grouped_sdpa(module, q, k, v, mask)
+    assert torch.equal(got, sdpa_attention_forward(module, q, k, v, mask)[0])
+
+
+def llama(attn: str = "sdpa", kv_heads: int = 2):
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64)
+    cfg._attn_implementation = attn
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def test_a_model_switched_to_grouped_sdpa_gives_the_same_logits():
+    """A 4D mask as the runners pass it; transformers 5.x returns such a mask as-is (masking_utils)."""
+    plain = llama()
+    switched = llama()
+    assert attention.use_grouped(switched) and switched.config._attn_implementation == attention.NAME
+    ids = torch.randint(0, 64, (1, 7))
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril()
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+    with torch.no_grad():
+        want, got = (m(input_ids=ids, attention_mask=mask).logits for m in (plain, switched))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn,kv_heads", [("eager", 2), ("sdpa", 4)])
+def test_models_it_does_not_help_are_left_alone(attn, kv_heads):
+    m = llama(attn, kv_heads)
+    assert not attention.use_grouped(m) and m.config._attn_implementation == attn
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_decoder_switches_its_own_copy_not_the_callers_target(grouped):
+    model = llama()
+    target = Target(spec="tiny", model=model, tokenizer=None)
+    dec = SpecDecoder(target, fuse_projections=False, prepack=False, grouped_attention=grouped)
+    assert dec.grouped_attention is grouped
+    assert model.config._attn_implementation == "sdpa"
+    assert (dec.plain.model.config._attn_implementation == attention.NAME) is grouped
+    assert (dec.plain.model is model) is not grouped
