@@ -95,3 +95,17 @@ def test_the_decoder_switches_its_own_copy_not_the_callers_target(grouped):
     assert model.config._attn_implementation == "sdpa"
     assert (dec.plain.model.config._attn_implementation == attention.NAME) is grouped
     assert (dec.plain.model is model) is not grouped
+
+
+def test_a_mask_grouped_once_per_forward_is_used_as_given():
+    """The runners pass the mask grouped once a forward (ROWS_MASK), so a compiled forward does not
+    repeat it in every layer; grouped_sdpa takes that one instead of grouping attention_mask itself."""
+    q, k, v, mask = inputs(4, heads=6, kv_heads=2)
+    module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    want, _ = attention.grouped_sdpa(module, q, k, v, mask)
+    rows = attention.rows_mask(mask, 3)
+    assert rows.shape == (1, 1, 12, 24) and torch.equal(rows[0, 0, 4:8], mask[0, 0])
+    got, _ = attention.grouped_sdpa(module, q, k, v, mask, **{attention.ROWS_MASK: rows})
+    assert torch.equal(got, want)
+    other, _ = attention.grouped_sdpa(module, q, k, v, mask, **{attention.ROWS_MASK: rows.flip(2)})
+    assert not torch.allclose(other, want)

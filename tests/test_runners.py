@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from conftest import no_hooks_left
+from eaglewire import attention
 from eaglewire.capture import capture
 from eaglewire.runners import DraftRunner, TargetRunner
+from eaglewire.targets import shared_copy
 from test_decode import CONTRACT, new_draft
 from tiny import tiny_model
 
@@ -24,7 +26,8 @@ def tree_block(parents):
     return block
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "deepseek_v3", "gemma", "multimodal", "llama-eager"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "deepseek_v3", "gemma", "multimodal", "llama-eager",
+                                    "llama-grouped", "qwen3-grouped"])
 @pytest.mark.parametrize("static, chunk", [(False, None), (True, None), (True, 5), (True, 3)],
                          ids=["exact", "static", "chunks-overlap", "chunks-even"])
 def test_target_runner_matches_full_forward(family, static, chunk):
@@ -35,7 +38,12 @@ def test_target_runner_matches_full_forward(family, static, chunk):
     m = tiny_model(family.split("-")[0])
     if family.endswith("eager"):
         m.set_attn_implementation("eager")
-    r = TargetRunner(m, CONTRACT, static=static, cuda_graphs=False, sizes=(1, 4, 8))
+    run = m
+    if family.endswith("grouped"):  # attention.py's grouped sdpa on the runner's copy; the reference keeps sdpa
+        run = shared_copy(m)
+        assert attention.use_grouped(run)
+    r = TargetRunner(run, CONTRACT, static=static, cuda_graphs=False, sizes=(1, 4, 8))
+    assert (r.kv_groups > 1) == family.endswith("grouped")
     if chunk:
         r.prefill_chunk = chunk
     r.reset(32)
@@ -45,7 +53,7 @@ def test_target_runner_matches_full_forward(family, static, chunk):
         cap = capture(m, torch.tensor(seq)[None], CONTRACT, logits=True)
         return cap.logits[0], cap.taps[0]
 
-    with no_hooks_left(m):
+    with no_hooks_left(run):
         logits, taps = r.prefill(torch.tensor(prompt))
     assert ((r.prefill_chunk, ("ids",)) in r._static) == static
     L, T = ref(prompt)

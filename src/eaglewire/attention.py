@@ -18,17 +18,25 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .targets import text_config
 
 NAME = "eaglewire_grouped_sdpa"
+ROWS_MASK = "eaglewire_rows_mask"  # a forward's kwarg: its mask repeated for the grouped rows once, not per layer
+
+
+def rows_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, 1, T, S) -> (B, 1, G*T, S), row g*T + t = row t: the mask of the grouped query rows (a copy for
+    T > 1, which a compiled forward would otherwise make in every layer)."""
+    b, _, t, s = mask.shape
+    return mask[:, :, None].expand(b, 1, groups, t, s).reshape(b, 1, groups * t, s)
 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                       scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, query (B, Hq, T, D) over key/value (B, Hkv, S, D) with Hkv dividing
-    Hq, mask (B or 1, 1, T, S): bool (True = attend) or additive. Returns (B, Hq, T, Dv)."""
+    Hq; mask (B or 1, 1, T, S), or already `rows_mask`'s (.., G*T, S): bool (True = attend) or additive.
+    Returns (B, Hq, T, Dv)."""
     b, hq, t, d = query.shape
-    hkv, s = key.shape[1], key.shape[2]
-    g = hq // hkv
-    rows = query.reshape(b, hkv, g * t, d)
-    mask = mask[:, :, None].expand(mask.shape[0], 1, g, t, s).reshape(mask.shape[0], 1, g * t, s)  # row g*T+t = row t
+    g = hq // key.shape[1]
+    rows = query.reshape(b, key.shape[1], g * t, d)
+    mask = mask if mask.shape[2] == g * t else rows_mask(mask, g)
     out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale)
     return out.reshape(b, hq, t, value.shape[-1])
 
@@ -36,13 +44,15 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
                  **kwargs):
     """`grouped_attention` behind transformers' attention-function signature: returns ((B, T, Hq, Dv), None)
-    as `sdpa_attention_forward` does, and hands it whatever it does not cover."""
+    as `sdpa_attention_forward` does, and hands it whatever it does not cover. The forward's ROWS_MASK
+    kwarg, where given, is the mask already grouped."""
+    grouped = kwargs.pop(ROWS_MASK, None)
     plain = (query.shape[1] == key.shape[1] or attention_mask is None or attention_mask.shape[1] != 1 or dropout
              or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None)
     if plain:  # nothing to gain, or what transformers' own path handles (per-head masks, biases, errors)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    mask = attention_mask[:, :, :, :key.shape[2]]
+    mask = grouped if grouped is not None else attention_mask[:, :, :, :key.shape[2]]
     return grouped_attention(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
 
 
@@ -57,3 +67,11 @@ def use_grouped(model: torch.nn.Module) -> bool:
     for c in {id(c): c for c in (model.config, cfg)}.values():
         c._attn_implementation = NAME
     return True
+
+
+def groups(model: torch.nn.Module) -> int:
+    """Query heads per K/V head of a model switched by `use_grouped`; 1 for any other model."""
+    cfg = text_config(model.config)
+    if getattr(cfg, "_attn_implementation", None) != NAME:
+        return 1
+    return cfg.num_attention_heads // cfg.num_key_value_heads

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from . import attention
 from .capture import TapHooks, locate
 from .compiled import CompileError, capture_graph, compile_options
 from .kv_slots import Arena, Book, DraftSlotCache, SlotLayer, Slots
@@ -345,6 +346,7 @@ class TargetRunner(SlotRunner):
         self.cache: Cache | None = None
         self.keep_last = 0  # > 0: only the last rows' logits (prefill), where the model supports it
         self._can_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.kv_groups = attention.groups(model)  # > 1: the mask goes in grouped too, made once a forward
 
     def _new_cache(self) -> None:
         arena = Arena(self.stack.num_layers)
@@ -356,6 +358,8 @@ class TargetRunner(SlotRunner):
     def _run(self, inputs, pos, mask):
         kw = {"input_ids": inputs["ids"], "attention_mask": mask, "position_ids": pos, "use_cache": True,
               self.cache_kw: self.cache, **({"logits_to_keep": self.keep_last} if self._can_keep else {})}
+        if self.kv_groups > 1:
+            kw[attention.ROWS_MASK] = attention.rows_mask(mask, self.kv_groups)
         return (self.model(**kw).logits.float(),)
 
     def _traced(self):
