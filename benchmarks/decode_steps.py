@@ -168,9 +168,10 @@ def main(argv=None) -> int:
     p.add_argument("--autotune", default="target", metavar="CHOICES",
                    help="whose compiled single-row forwards autotune their matmuls on CUDA: target (as the decoder "
                    "ships), none, all; a comma-separated list times each choice in turn, in this process")
-    p.add_argument("--attention", default="grouped", metavar="CHOICES",
-                   help="the target's attention: grouped (K/V heads read in place, as the decoder ships) or sdpa "
-                   "(transformers' own, K/V repeated per query head); a comma-separated list times each in turn")
+    p.add_argument("--attention", default="sdpa", metavar="CHOICES",
+                   help="the target's attention: sdpa (transformers' own, K/V repeated per query head; as the "
+                   "decoder ships) or grouped (K/V heads read in place, attention.py); a comma-separated list "
+                   "times each in turn")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)

@@ -15,11 +15,11 @@ from eaglewire.targets import Target
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def inputs(t: int, heads: int, kv_heads: int, s: int = 24, additive: bool = True, seed: int = 0):
+def inputs(t: int, heads: int, kv_heads: int, s: int = 24, additive: bool = True, seed: int = 0, b: int = 1):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, heads, t, 16, generator=g)
-    k, v = torch.randn(2, 1, kv_heads, s, 16, generator=g)
-    allowed = torch.rand(1, 1, t, s, generator=g) > 0.4
+    q = torch.randn(b, heads, t, 16, generator=g)
+    k, v = torch.randn(2, b, kv_heads, s, 16, generator=g)
+    allowed = torch.rand(b, 1, t, s, generator=g) > 0.4
     allowed[..., 0] = True  # every row sees something
     mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min) if additive else allowed
     return q, k, v, mask
@@ -28,11 +28,13 @@ def inputs(t: int, heads: int, kv_heads: int, s: int = 24, additive: bool = True
 @pytest.mark.parametrize("t", [1, 5])
 @pytest.mark.parametrize("additive", [True, False])
 def test_grouped_attention_equals_transformers_sdpa_with_repeated_kv(t, additive):
-    q, k, v, mask = inputs(t, heads=6, kv_heads=2, additive=additive)
+    """Batches of rows with masks of their own (batchgen.py's left-padded rows) included."""
+    b = 1 if t == 1 else 2
+    q, k, v, mask = inputs(t, heads=6, kv_heads=2, additive=additive, b=b)
     module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)  # (1, T, 6, 16)
     got, none = attention.grouped_sdpa(module, q, k, v, mask, scaling=0.25)
-    assert none is None and got.shape == want.shape == (1, t, 6, 16)
+    assert none is None and got.shape == want.shape == (b, t, 6, 16)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     # query head h reads K/V head h // 3, as repeat_kv has it: swapping K/V heads must change heads 0-2 only
     swapped, _ = attention.grouped_sdpa(module, q, k.flip(1), v.flip(1), mask, scaling=0.25)
@@ -109,3 +111,14 @@ def test_a_mask_grouped_once_per_forward_is_used_as_given():
     assert torch.equal(got, want)
     other, _ = attention.grouped_sdpa(module, q, k, v, mask, **{attention.ROWS_MASK: rows.flip(2)})
     assert not torch.allclose(other, want)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_greedy_tokens_are_the_same_with_grouped_attention(static):
+    """Plain decoding on the runners, exact and padded to static sizes (the mask grouped once a forward)."""
+    model = llama()
+    target = Target(spec="tiny", model=model, tokenizer=None)
+    ids = torch.tensor([3, 9, 27, 5, 11])
+    runs = [SpecDecoder(target, fuse_projections=False, prepack=False, static_shapes=static, grouped_attention=g)
+            .generate_plain(ids, 12).tokens for g in (False, True)]
+    assert len(runs[0]) == 12 and list(runs[0]) == list(runs[1])

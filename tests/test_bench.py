@@ -147,9 +147,8 @@ def test_bench_chain_json_table_plot(shift, prompt_file, tmp_path, capsys):
     assert r["settings"]["autotune"] is None  # nothing compiled, nothing autotuned
     assert bench.autotuned(torch.device("cuda")) == {"target": True, "draft": False}  # as the decoder ships
     assert r["settings"]["prepack"] is True  # asked for; the tiny layers are too small to pack:
-    # "+onednn" names runs that did; "+fused": q/k/v and gate/up as one matmul each (small targets: default);
-    # "+grouped": K/V heads read in place by the query heads that share them (attention.py; default)
-    assert r["runs"]["base"]["name"] == "eaglewire-base+fused+grouped"
+    # "+onednn" names runs that did; "+fused": q/k/v and gate/up as one matmul each (small targets: default)
+    assert r["runs"]["base"]["name"] == "eaglewire-base+fused"
     assert r["runs"]["spec"]["graphs_compiled_while_timed"] == 0
 
 
@@ -173,7 +172,7 @@ def test_compile_setting(monkeypatch):
         assert seen[-1] == want, flags
     monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["grouped_attention"]) or
                         (_ for _ in ()).throw(UsageError("stop")))
-    for flags, want in (([], True), (["--no-grouped-attention"], False)):
+    for flags, want in (([], False), (["--grouped-attention"], True)):
         assert main(["bench", "--target", "t", "--draft", "d", *flags]) == 2
         assert seen[-1] == want, flags
 
@@ -186,11 +185,11 @@ def test_bench_tree_on_random_pair_is_lossless(random_pair, prompt_file):
     acc = r["acceptance"]
     assert len(acc["rate_by_position"]) == 3 and all(0 <= x <= 1 for x in acc["rate_by_position"])
     assert acc["acceptance_length"] == pytest.approx(r["runs"]["spec"]["tokens"] / acc["verification_steps"])
-    assert r["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5+fused+grouped"
+    assert r["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5+fused"
     apart = run_bench(target, draft, prompt_file, max_new_tokens=10, mode="tree", depth=3, topk=2, budget=5,
-                      device="cpu", fuse_projections=False, grouped_attention=False,
-                      log=lambda m: None)  # --no-fuse-projections --no-grouped-attention
-    assert apart["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5" and apart["greedy_check"]["ok"] is True
+                      device="cpu", fuse_projections=False, grouped_attention=True,
+                      log=lambda m: None)  # --no-fuse-projections --grouped-attention (K/V heads read in place)
+    assert apart["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5+grouped" and apart["greedy_check"]["ok"] is True
     assert apart["runs"]["spec"]["tokens"] == r["runs"]["spec"]["tokens"]
 
 

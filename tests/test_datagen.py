@@ -217,19 +217,6 @@ def test_slots_step_never_reads_the_device(llama):
     make_fx(step)(*[gen.inputs[k] for k in keys])
 
 
-def test_grouped_query_attention_equals_repeated_kv():
-    from eaglewire.batchgen import gqa_attention
-
-    torch.manual_seed(0)
-    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
-    mask = torch.where(torch.rand(2, 1, 5, 9) < 0.7, 0.0, torch.finfo(torch.float32).min)
-    mask[..., 0] = 0.0  # every row sees something
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
-                                                           attn_mask=mask, scale=0.3)
-    out, _ = gqa_attention(None, q, k, v, mask, scaling=0.3)
-    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
-
-
 def test_slots_engine_refuses_what_it_cannot_run(llama, monkeypatch):
     with pytest.raises(EaglewireError, match="--gen-engine must be hf or slots"):
         GenConfig(engine="vllm")

@@ -64,8 +64,7 @@ def use_grouped(model: torch.nn.Module) -> bool:
     if getattr(cfg, "_attn_implementation", None) != "sdpa" or not heads or not kv_heads or heads == kv_heads:
         return False
     AttentionInterface.register(NAME, grouped_sdpa)
-    for c in {id(c): c for c in (model.config, cfg)}.values():
-        c._attn_implementation = NAME
+    model.set_attn_implementation(NAME)
     return True
 
 

@@ -4,7 +4,7 @@ KV cache, the decode step captured in one CUDA graph per (rows, width), no compi
 transformers' `generate` with a static cache compiles its decode step (about a minute per new
 shape) and, under an attention mask, its SDPA path copies K/V to every query head (`repeat_kv`):
 at 2048 rows that copy is most of a step's memory traffic. Here the step attends with the query
-heads grouped onto their K/V head (`gqa_attention`), so K/V are read once, and the graph replays
+heads grouped onto their K/V head (attention.py), so K/V are read once, and the graph replays
 eager kernels: at thousands of rows each kernel is large, so fusing them buys little and the
 capture takes a second.
 
@@ -16,31 +16,13 @@ row's first real token, so a padded row computes what it would alone.
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from . import attention
 from .compiled import capture_graph
 from .kv_slots import Book, SlotLayer
 from .runners import additive_mask
 from .targets import cache_kwarg, shared_copy
-
-ATTENTION = "eaglewire_gqa"
-
-
-def gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """SDPA with the query heads of each K/V head stacked as rows: (B, H, T, D) queries against
-    (B, Hkv, L, D) keys without repeating K/V. attention_mask: additive (B, 1, T, L)."""
-    b, h, t, d = query.shape
-    g = h // key.shape[1]
-    q = query.reshape(b, key.shape[1], g * t, d)  # head i -> K/V head i // g, as repeat_kv pairs them
-    mask = attention_mask.repeat(1, 1, g, 1) if attention_mask is not None and g > 1 else attention_mask
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    return out.reshape(b, h, t, d).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(ATTENTION, gqa_attention)
-
 
 def supports(model) -> bool:
     """Decoder-only models whose attention goes through transformers' attention interface with
@@ -58,7 +40,7 @@ class BatchGenerator:
 
     def __init__(self, model, rows: int, width: int, max_new: int, cuda_graphs: bool):
         self.model = shared_copy(model)  # the caller's model keeps its attention
-        self.model.set_attn_implementation(ATTENTION)
+        attention.use_grouped(self.model)  # False (eager attention, say): transformers attends, K/V repeated
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.rows, self.width, self.max_new = rows, width, max_new

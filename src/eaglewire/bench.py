@@ -10,7 +10,7 @@ the warm-up compiles them, and a size first met while timed is counted in `graph
 On a CPU in fp32 they run oneDNN-packed linear layers (prepack.py; "+onednn" in the run's name), while
 (a) keeps transformers' own: the engines differ in their matrix kernels too, and (b) shows by how much.
 `fuse_projections` (on: SpecDecoder's default, targets up to 1B parameters) runs (b) and (c) with
-q/k/v and gate/up as one matmul each ("+fused"; projections.py). `grouped_attention` (on: SpecDecoder's
+q/k/v and gate/up as one matmul each ("+fused"; projections.py). `grouped_attention` (off: SpecDecoder's
 default) runs a target whose query heads share K/V heads through attention.py's grouped sdpa ("+grouped").
 
 Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
@@ -72,7 +72,7 @@ class BenchConfig:
     compile: bool | str = "auto"  # torch.compile our decoder's forwards; auto: on cuda, not on cpu
     prepack: bool = True  # oneDNN-packed linears for our decoder where they apply (fp32 on a cpu, not compiled)
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each in our decoder's target (small targets)
-    grouped_attention: bool = True  # K/V heads read in place, not repeated per query head (attention.py)
+    grouped_attention: bool = False  # K/V heads read in place, not repeated per query head (attention.py)
     warmup: bool = True
     seed: int = 0
     bandwidth: float | None = None  # bytes/s; None: BANDWIDTH by device name
@@ -515,7 +515,7 @@ def cmd_bench(args) -> int:
                     chain=args.chain or 7, depth=args.depth, topk=args.topk, budget=args.budget, device=args.device,
                     dtype=args.dtype, hf=not args.no_hf, hf_cache=args.hf_cache, cuda_graphs=not args.no_cuda_graphs,
                     compile="auto" if args.compile is None else args.compile, prepack=not args.no_prepack,
-                    fuse_projections=not args.no_fuse_projections, grouped_attention=not args.no_grouped_attention,
+                    fuse_projections=not args.no_fuse_projections, grouped_attention=args.grouped_attention,
                     warmup=not args.no_warmup, seed=args.seed,
                     bandwidth=args.bandwidth * 1e12 if args.bandwidth else None)
     if args.tree and args.chain:
@@ -570,9 +570,9 @@ def register(sub) -> None:
     p.add_argument("--no-fuse-projections", action="store_true",
                    help="keep q/k/v and gate/up apart in our decoder's target (default: one matmul each for "
                         "targets up to 1B parameters, fewer kernels a step)")
-    p.add_argument("--no-grouped-attention", action="store_true",
-                   help="transformers' own sdpa in our decoder's target, which copies K/V for every query head "
-                        "(default: each K/V head read in place where query heads share them)")
+    p.add_argument("--grouped-attention", action="store_true",
+                   help="read each K/V head in place in our decoder's target, where query heads share them "
+                        "(default: transformers' own sdpa, which copies K/V for every query head)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",

@@ -124,13 +124,15 @@ class SpecDecoder:
     count; the copy holds those projections twice, which a big target cannot spare.
     grouped_attention runs a target whose query heads share K/V heads through attention.grouped_sdpa
     (each K/V head read in place) instead of transformers' sdpa, which copies the K/V for every query head.
+    Off by default: on the H200 an earlier version made a compiled plain step slower (1.223 -> 1.307 ms);
+    benchmarks/decode_steps.py --attention sdpa,grouped times it per round kind.
     device/dtype move the target (and the draft follows the target).
     """
 
     def __init__(self, target, draft=None, meta=None, *, mode: str = "chain", K: int = 7, depth: int = 6,
                  topk: int = 8, budget: int = 63, device=None, dtype=None, cuda_graphs: bool = False,
                  static_shapes: bool = False, compile: bool = False, prepack: bool | None = None,
-                 fuse_projections: bool | None = None, grouped_attention: bool = True, strict: bool = False):
+                 fuse_projections: bool | None = None, grouped_attention: bool = False, strict: bool = False):
         self.spec = SpecConfig(mode=mode, K=K, depth=depth, topk=topk, budget=budget)
         self.target, self.draft = target, draft
         if device is not None or dtype is not None:
