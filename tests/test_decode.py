@@ -14,113 +14,15 @@ import torch
 
 import eaglewire.decode as decode
 from eaglewire.acceptance import SamplingParams, logits_to_probs
-from eaglewire.capture import capture
-from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.compiled import CompileError
-from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.errors import UsageError
 from eaglewire.runners import SlotRunner
-from eaglewire.targets import Target, fingerprint
 from eaglewire.taps import TapContract
-from eaglewire.vocab import target_to_draft_ids
+from decoding import (CHAIN, CONTRACT, TREE, as_target, fake_capture, fit, new_draft, prompts,
+                      reference_greedy, save_load)
 from tiny import tiny_model
 
-CONTRACT = TapContract(8, (2, 4, 8))  # tap 8: the last layer's output, through the post-hook
-CHAIN = dict(mode="chain", K=4)
-TREE = dict(mode="tree", depth=4, topk=3, budget=10)
-
-
-def as_target(model, spec="tiny") -> Target:
-    return Target(spec=spec, model=model, tokenizer=None, fingerprint=fingerprint(model))
-
-
-def save_load(draft, contract, target, path):
-    save_draft(draft, path, contract=contract, target_fingerprint=target.fingerprint)
-    return load_draft(path)
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def new_draft(model, contract=CONTRACT, draft_vocab=None, seed=0):
-    torch.manual_seed(seed)
-    cfg = model.config
-    if cfg.model_type == "gpt2":  # DraftConfig.for_target reads intermediate_size, which GPT-2 configs lack
-        c = DraftConfig(hidden_size=cfg.n_embd, intermediate_size=64, num_attention_heads=cfg.n_head,
-                        vocab_size=cfg.vocab_size, num_taps=len(contract.taps), draft_vocab_size=draft_vocab)
-    else:
-        c = DraftConfig.for_target(cfg, num_taps=len(contract.taps), draft_vocab_size=draft_vocab)
-    d = Eagle3Draft(c)
-    d.load_target_embedding(model.get_input_embeddings().weight)
-    return d
-
-
-@torch.no_grad()
-def reference_greedy(model, prompt, n) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor(ids)[None]).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-def fit(draft, model, contract, seqs, steps):
-    """A few Adam steps: the draft at t (taps[t], token t+1) learns the target's argmax at t+1."""
-    data = []
-    to_draft = target_to_draft_ids(draft.d2t, draft.config.vocab_size)
-    with torch.no_grad():
-        for s in seqs:
-            cap = capture(model, s[None], contract, logits=True)
-            data.append((s, cap.taps[0], to_draft[cap.logits[0].argmax(-1)]))
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
-    for step in range(steps):
-        loss = 0
-        for s, taps, label in data:
-            t = len(s) - 2
-            logits, _ = draft(s[None, 1:t + 1], draft.fuse(taps[None, :t]), torch.arange(t)[None])
-            loss = loss + torch.nn.functional.cross_entropy(logits[0], label[1:t + 1], ignore_index=-1)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval()
-
-
-@pytest.fixture(scope="module")
-def llama():
-    torch.manual_seed(0)
-    return as_target(tiny_model("llama"))
-
-
-@pytest.fixture(scope="module")
-def seqs(llama):
-    """Greedy continuations of random prompts: the draft's training data and the 'familiar' prompts."""
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(6):
-        p = torch.randint(0, 128, (4,), generator=g)
-        out.append(torch.cat([p, torch.tensor(reference_greedy(llama.model, p.tolist(), 36))]))
-    return out
-
-
-@pytest.fixture(scope="module")
-def drafts(llama, seqs, tmp_path_factory):
-    """name -> (draft, meta): random, trained, trained+noise."""
-    root = tmp_path_factory.mktemp("drafts")
-    m = llama.model
-    out = {"random": save_load(new_draft(m), CONTRACT, llama, root / "random")}
-    trained = fit(new_draft(m), m, CONTRACT, seqs, steps=60)
-    out["trained"] = save_load(trained, CONTRACT, llama, root / "trained")
-    with torch.no_grad():
-        for p in trained.parameters():
-            if p.requires_grad:
-                p.add_(0.3 * p.std() * torch.randn_like(p))
-    out["perturbed"] = save_load(trained, CONTRACT, llama, root / "perturbed")
-    return out
-
-
-def prompts(seqs):
-    g = torch.Generator().manual_seed(7)
-    return [s[:4].tolist() for s in seqs[:3]] + [torch.randint(0, 128, (n,), generator=g).tolist() for n in (1, 5, 9)]
-
 
 # --- greedy: token for token ----------------------------------------------------------------------
 
@@ -215,18 +117,6 @@ def test_greedy_other_families(family, tmp_path):
     for shape in (CHAIN, TREE):
         dec = decode.SpecDecoder(t, d, meta, static_shapes=True, **shape)
         assert dec.generate(p, 27).tokens == ref
-
-
-def fake_capture(self, fn, captured: list | None = None):
-    """A CUDA graph's contract on a CPU: captured once, a replay re-runs into the SAME output tensors."""
-    out = fn()
-    if captured is not None:
-        captured.append(type(self).__name__)
-
-    def replay():
-        for o, new in zip(out, fn()):
-            o.copy_(new)
-    return replay, out
 
 
 def test_fake_cuda_graphs_replay_static_buffers(llama, seqs, drafts, monkeypatch):

@@ -5,8 +5,7 @@ from pathlib import Path
 
 import eaglewire.decode as decode
 from eaglewire.runners import SlotRunner
-from test_decode import (CHAIN, TREE, drafts, fake_capture, llama, prompts,  # noqa: F401 (fixtures)
-                         reference_greedy, seqs)
+from decoding import CHAIN, TREE, fake_capture, prompts, reference_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from decode_steps import replays_per_round  # noqa: E402

@@ -8,7 +8,7 @@ from eaglewire import prepack
 from eaglewire.errors import UsageError
 
 from tiny import tiny_model
-from test_decode import CHAIN, TREE, as_target, drafts, llama, prompts, reference_greedy, seqs  # noqa: F401
+from decoding import CHAIN, TREE, as_target, prompts, reference_greedy
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")]

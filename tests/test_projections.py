@@ -9,7 +9,7 @@ from eaglewire import projections
 from eaglewire.projections import FusedFirst, FusedSlice
 
 from tiny import tiny_model
-from test_decode import CHAIN, TREE, drafts, llama, prompts, reference_greedy, seqs  # noqa: F401
+from decoding import CHAIN, TREE, prompts, reference_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

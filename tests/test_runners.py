@@ -10,7 +10,7 @@ from eaglewire import attention
 from eaglewire.capture import capture
 from eaglewire.runners import DraftRunner, TargetRunner
 from eaglewire.targets import shared_copy
-from test_decode import CONTRACT, new_draft
+from decoding import CONTRACT, new_draft
 from tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
