@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import grouped_attention
 from .errors import EaglewireError, UsageError
 from .targets import text_config
 
@@ -291,13 +290,9 @@ class _Attention(nn.Module):
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(self.layer, k, v)  # (B, nkv, S, hd): cached keys, then the new ones
-        S = k.shape[2]
-        if cache is not None and self.nh != self.nkv:  # decoding: each K/V head read in place, not repeated
-            mask = causal_mask(T, S, x.device)[None, None] if mask is None else mask
-            out = grouped_attention(q, k, v, mask)
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         if self.nh != self.nkv:  # grouped-query attention
             k, v = (t.repeat_interleave(self.nh // self.nkv, dim=1) for t in (k, v))
+        S = k.shape[2]
         if mask is None and S == T:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
         else:

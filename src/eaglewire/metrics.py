@@ -151,8 +151,8 @@ def print_summary(checkpoint, m: dict, file=None) -> None:
               "included)", file=file)
     if m.get("tokens_per_s"):
         gpus = m.get("world_size") or 1
-        mfu = (f", MFU {100 * m['mfu']:.1f}% of {m['peak_tflops']:.0f} TFLOP/s" + (f" on each of {gpus} GPUs" if gpus > 1 else "")
-               if m.get("mfu") else "")
+        per_gpu = f" on each of {gpus} GPUs" if gpus > 1 else ""
+        mfu = f", MFU {100 * m['mfu']:.1f}% of {m['peak_tflops']:.0f} TFLOP/s{per_gpu}" if m.get("mfu") else ""
         print(f"throughput  {m['tokens_per_s']:.0f} training tokens/s{mfu} "
               f"({m['flops_per_token'] / 1e9:.3g} GFLOP/token)", file=file)
     if m.get("stopped_early"):
