@@ -202,6 +202,21 @@ def test_offline_and_online_training_give_the_same_draft(target, data, prompts, 
     assert json.loads((root / "on" / "config.json").read_text())["training"]["data"]["mode"] == "online"
 
 
+
+def test_online_samples_do_not_depend_on_the_encoding_chunk(target, prompts, monkeypatch):
+    """build_online tokenizes a chunk of conversations per call: chunks of 7 (40 conversations, the
+    last chunk short) give the same samples, in the same order, as one call for all."""
+    from eaglewire.parallel import Dist
+    one = Dist(0, 1, torch.device("cpu"), False)
+    whole = train_data.build_online(target, prompts, CONTRACT, 256, None, one)
+    monkeypatch.setattr(train_data, "ENCODE_CHUNK", 7)
+    chunked = train_data.build_online(target, prompts, CONTRACT, 256, None, one)
+    assert len(whole) == len(chunked) == 40
+    for i in range(40):
+        a, b = whole.item(i), chunked.item(i)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), i
+
+
 HANG = """
 import sys, time, torch
 torch.set_num_threads(1)

@@ -87,7 +87,7 @@ def assistant_spans(tokenizer, messages: list[dict], limit_chars: int | None = N
         before = render(tokenizer, messages[:i], add_generation_prompt=True)
         if limit_chars is not None and len(before) >= limit_chars:
             break
-        after = render(tokenizer, messages[:i + 1])
+        after = full if i == len(messages) - 1 else render(tokenizer, messages[:i + 1])
         if not (after.startswith(before) and full.startswith(after)):
             raise ChatTemplateError("the chat template rewrites earlier turns",
                                     f"turn {i} renders differently once later turns follow, so the loss mask "
