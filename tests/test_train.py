@@ -203,14 +203,17 @@ def test_offline_and_online_training_give_the_same_draft(target, data, prompts, 
 
 
 
-def test_online_samples_do_not_depend_on_the_encoding_chunk(target, prompts, monkeypatch):
+def test_online_samples_do_not_depend_on_the_encoding_chunk(target, prompts, monkeypatch, capsys):
     """build_online tokenizes a chunk of conversations per call: chunks of 7 (40 conversations, the
-    last chunk short) give the same samples, in the same order, as one call for all."""
+    last chunk short) give the same samples, in the same order, as one call for all. With progress
+    on, the encoding shows a bar (96k conversations take the better part of a minute)."""
     from eaglewire.parallel import Dist
     one = Dist(0, 1, torch.device("cpu"), False)
     whole = train_data.build_online(target, prompts, CONTRACT, 256, None, one)
+    assert "encode" not in capsys.readouterr().err
     monkeypatch.setattr(train_data, "ENCODE_CHUNK", 7)
-    chunked = train_data.build_online(target, prompts, CONTRACT, 256, None, one)
+    chunked = train_data.build_online(target, prompts, CONTRACT, 256, None, one, progress=True)
+    assert "encode: 100%" in capsys.readouterr().err
     assert len(whole) == len(chunked) == 40
     for i in range(40):
         a, b = whole.item(i), chunked.item(i)

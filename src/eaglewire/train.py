@@ -93,7 +93,7 @@ class _Run:
             draft_taps = checkpoint.load_meta(cfg.init_from).contract
             want = draft_taps if draft_taps.num_layers == n else None  # another target: check_pair says so
         contract = want or TapContract.default(n)
-        return train_data.build_online(self.target, data, contract, cfg.max_len, cfg.gen(), self.dist)
+        return train_data.build_online(self.target, data, contract, cfg.max_len, cfg.gen(), self.dist, self.progress)
 
     def _draft(self) -> Eagle3Draft:
         self.head = self.stack.lm_head
