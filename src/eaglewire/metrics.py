@@ -155,5 +155,8 @@ def print_summary(checkpoint, m: dict, file=None) -> None:
         mfu = f", MFU {100 * m['mfu']:.1f}% of {m['peak_tflops']:.0f} TFLOP/s{per_gpu}" if m.get("mfu") else ""
         print(f"throughput  {m['tokens_per_s']:.0f} training tokens/s{mfu} "
               f"({m['flops_per_token'] / 1e9:.3g} GFLOP/token)", file=file)
+    if m.get("setup_seconds") is not None:
+        print(f"setup       {m['setup_seconds']:.0f} s before the first step (loading the target and data, encoding, "
+              "regeneration)", file=file)
     if m.get("stopped_early"):
         print(f"stopped early: {m['stopped_early']}", file=file)

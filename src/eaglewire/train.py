@@ -236,6 +236,7 @@ class _Run:
         bar = tqdm(total=self.total, initial=start, unit="step", desc="train", file=sys.stderr,
                    disable=not (self.progress and self.dist.main), dynamic_ncols=True)
         self.tick, self.logged_at = time.perf_counter(), start
+        self.t_setup = self.tick - self.t_start  # loading, encoding, regeneration: the time budget counts it
         self.evaluated_at = start - start % self._eval_spacing()  # a resumed run evaluates where it would have
         self.t_other = self.t_train = 0.0  # seconds in evals/saves since the last log; training seconds
         self.tokens_run, done, stopped = 0, start, None
@@ -312,7 +313,7 @@ class _Run:
         tps = acc["tokens"] / seconds
         rec = {"kind": "train", "step": done, "epoch": epoch, "lr": lr_at(cfg, done - 1, self.total, self.horizon), "loss": loss,
                "loss_k": s["loss"], "acc": s["acc"], "grad_norm": float(self.norm), "tokens": acc["tokens"],
-               "tokens_per_s": tps, "mfu": self._mfu(tps)}
+               "tokens_per_s": tps, "mfu": self._mfu(tps), "elapsed_s": now - self.t_start}
         if self.dist.main:
             self.log.write(rec)
         bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{(s['acc'][0] or 0):.3f}", tok_s=f"{tps:.0f}", refresh=False)
@@ -343,7 +344,7 @@ class _Run:
     def _log_eval(self, done: int) -> dict:
         s = self.evaluate()
         if self.dist.main:
-            self.log.write({"kind": "eval", "step": done, **s})
+            self.log.write({"kind": "eval", "step": done, **s, "elapsed_s": time.perf_counter() - self.t_start})
         return s
 
     def _finish(self, done: int, stopped: str | None) -> TrainResult:
@@ -356,7 +357,7 @@ class _Run:
             training = {"config": self.cfg.to_dict(), "data": self.corpus.provenance, "steps": done,
                         "planned_steps": self.total, "lr_horizon": self.horizon, "stopped_early": stopped, "world_size": self.dist.world,
                         "flops_per_token": self.flops, "peak_tflops": PEAK_TFLOPS, "train_seconds": self.t_train,
-                        "tokens_per_s": tps, "mfu": self._mfu(tps)}
+                        "setup_seconds": self.t_setup, "tokens_per_s": tps, "mfu": self._mfu(tps)}
             result = {"heldout": metrics.rounded(final), "eval_samples": len(self.eval_idx),
                       "train_samples": len(self.train_idx)}
             train_state.finish(self.out, draft, contract=self.contract, target_fingerprint=self.target.fingerprint,
@@ -372,7 +373,7 @@ class _Run:
         return TrainResult(self.out, {"heldout": final, "steps": done, "stopped_early": stopped,
                                       "tokens_per_s": tps, "mfu": self._mfu(tps), "flops_per_token": self.flops,
                                       "peak_tflops": PEAK_TFLOPS, "world_size": self.dist.world,
-                                      "train_seconds": self.t_train})
+                                      "train_seconds": self.t_train, "setup_seconds": self.t_setup})
 
 
 def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = False,
