@@ -1,12 +1,14 @@
-"""Grouped-query attention that reads each K/V head in place, for the decoder's target forwards.
+"""Grouped-query attention that reads each K/V head in place (batchgen.py; the decoder's target on request).
 
 transformers' sdpa path (5.17 and 5.24) gives a masked forward K/V for every query head: `repeat_kv`
 copies each K/V head once per query head that shares it. Only 5.24's uncompiled single-row call packs
-the query heads instead. The runners always pass a mask, and on a GPU they compile, so every layer of
-every step copied its whole K/V buffer twice (SmolLM2-135M: 9 query heads on 3 K/V heads).
+the query heads instead. The runners always pass a mask, and on a GPU they compile, so with sdpa every
+layer of every step copies its whole K/V buffer twice (SmolLM2-135M: 9 query heads on 3 K/V heads).
 
 Here the G query heads of one K/V head become G*T query rows of that head, (B, Hq, T, D) -> (B, Hkv, G*T, D),
 and the mask is repeated G times to match: the same attention over the same keys, without the copies.
+Fewer, taller heads are not always faster for the attention kernel itself: the decoder keeps sdpa by
+default until `benchmarks/decode_steps.py --attention sdpa,grouped` shows which wins on a GPU.
 """
 
 from __future__ import annotations
