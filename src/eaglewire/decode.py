@@ -155,12 +155,11 @@ class SpecDecoder:
         self.fused_projections = fused is not target.model  # False when the model has no such group
         model = packing.prepacked(fused) if pack else fused
         self.prepack = model is not fused  # False too when no layer is large enough to pack
+        self.grouped_attention = False  # stays so without shared K/V heads or sdpa
         if grouped_attention:
             own = model if model is not target.model else shared_copy(model)  # its config changes
-            self.grouped_attention = attention.use_grouped(own)  # False: no shared K/V heads, or not sdpa
+            self.grouped_attention = attention.use_grouped(own)
             model = own if self.grouped_attention else model
-        else:
-            self.grouped_attention = False
         self.plain = TargetRunner(model, None, sizes=(1,), **graphs)
         self.warnings: list[str] = []
         if draft is None:

@@ -69,6 +69,7 @@ class Slots:
         n = self.book.view_len
         return self.keys[:, :, :n], self.values[:, :, :n]
 
+
 class SlotLayer(CacheLayerMixin):
     """A transformers cache layer over `Slots` (HF attention calls `update`, mask code the sizes)."""
 

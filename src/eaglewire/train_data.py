@@ -128,8 +128,9 @@ def build_online(target, prompts_path: str | Path, contract: TapContract, max_le
     with tqdm(total=len(convs), unit="conv", desc="encode", file=sys.stderr, disable=not (progress and dist.main),
               dynamic_ncols=True) as bar:
         for i in range(0, len(convs), ENCODE_CHUNK):
-            encoded += datagen.encode_chunk(target.tokenizer, convs[i:i + ENCODE_CHUNK], cfg)
-            bar.update(len(convs[i:i + ENCODE_CHUNK]))
+            chunk = convs[i:i + ENCODE_CHUNK]
+            encoded += datagen.encode_chunk(target.tokenizer, chunk, cfg)
+            bar.update(len(chunk))
     for enc in encoded:
         if isinstance(enc, prompts.Skip):
             skipped[enc.reason] += 1
