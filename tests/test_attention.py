@@ -54,6 +54,23 @@ def test_rows_keep_their_own_mask():
         torch.testing.assert_close(out[:, :, t:t + 1], ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("additive", [True, False])
+def test_a_one_row_step_is_two_matmuls_not_a_fused_kernel(monkeypatch, additive):
+    """A decode step (one query row per head, a batch of rows with masks of their own) gives sdpa's output
+    without calling it: the fused kernels split their work by query rows, of which such a step has 3."""
+    q, k, v, mask = inputs(1, heads=6, kv_heads=2, additive=additive, b=2)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                            attn_mask=mask)
+
+    def refuse(*a, **kw):
+        raise AssertionError("a one-row step went through scaled_dot_product_attention")
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", refuse)
+    got = attention.grouped_attention(q, k, v, mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    grouped = attention.grouped_attention(q, k, v, attention.rows_mask(mask, 3))  # as the runners pass it
+    torch.testing.assert_close(grouped, want, rtol=1e-6, atol=1e-6)
+
+
 def test_without_shared_heads_it_is_transformers_sdpa():
     q, k, v, mask = inputs(3, heads=2, kv_heads=2)
     module = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)

@@ -7,8 +7,11 @@ layer of every step copies its whole K/V buffer twice (SmolLM2-135M: 9 query hea
 
 Here the G query heads of one K/V head become G*T query rows of that head, (B, Hq, T, D) -> (B, Hkv, G*T, D),
 and the mask is repeated G times to match: the same attention over the same keys, without the copies.
-Fewer, taller heads are not always faster for the attention kernel itself: the decoder keeps sdpa by
-default until `benchmarks/decode_steps.py --attention sdpa,grouped` shows which wins on a GPU.
+Fewer, taller heads are not always faster for the attention kernel itself. On an H200 (tenth run) grouped
+sdpa won the 8- and 64-row verify rounds by 1-3% and lost the one-row step by 8%: 3 heads of 3 rows give a
+fused kernel too little to split. A one-row step is therefore spelt as two matmuls and a softmax instead
+(`one_row_attention`). The decoder keeps transformers' sdpa by default until
+`benchmarks/decode_steps.py --attention sdpa,grouped` shows that version winning the plain step on a GPU.
 """
 
 from __future__ import annotations
@@ -38,9 +41,23 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     b, hq, t, d = query.shape
     g = hq // key.shape[1]
     rows = query.reshape(b, key.shape[1], g * t, d)
+    if t == 1:
+        out = one_row_attention(rows, key, value, mask[:, :, :1], d ** -0.5 if scale is None else scale)
+        return out.reshape(b, hq, t, value.shape[-1])
     mask = mask if mask.shape[2] == g * t else rows_mask(mask, g)
     out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale)
     return out.reshape(b, hq, t, value.shape[-1])
+
+
+def one_row_attention(rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """A decode step's attention, each query head one row: rows (B, Hkv, G, D), mask (B or 1, 1, 1, S).
+    Spelt as two matmuls and a softmax, which a compiled step fuses into a few small kernels: the fused
+    attention kernels split their work by query rows, and a decode step has G of them per K/V head. Scores
+    stay fp32 as in those kernels (bf16 scores would round a weight by up to ~5%)."""
+    scores = torch.matmul(rows.float(), key.float().transpose(-1, -2)) * scale  # (B, Hkv, G, S)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(scores.softmax(-1).to(value.dtype), value)
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
