@@ -207,6 +207,32 @@ def test_offline_and_online_training_give_the_same_draft(target, data, prompts, 
 
 
 
+def test_the_held_out_split_follows_each_samples_content():
+    """A sample is held out by a seeded hash of its tokens: growing the data (new replies for an --init-from
+    run) keeps every held-out sample held out, copies never straddle the split, and the seed picks another."""
+    seqs = [torch.tensor([i, i * 7 % 13, 3]) for i in range(2000)]
+    keys = [train_data.content_key(x) for x in seqs]
+    tr, ev = train_data.split(keys, 0.1, seed=0)
+    assert sorted(tr + ev) == list(range(2000)) and 140 < len(ev) < 260
+    grown = keys[:1000] + [train_data.content_key(torch.tensor([5000 + i, 1])) for i in range(3000)]
+    _, ev_grown = train_data.split(grown, 0.1, seed=0)
+    assert {i for i in ev if i < 1000} == {i for i in ev_grown if i < 1000}  # a permutation split keeps ~10%
+    copies = keys[:50] * 3
+    _, ev_copies = train_data.split(copies, 0.3, seed=0)
+    assert {i % 50 for i in ev_copies} == {i for i in ev_copies if i < 50} and len(ev_copies) % 3 == 0
+    assert train_data.split(keys, 0.1, seed=1)[1] != ev
+    assert train_data.split(keys[:2], 0.001, seed=0)[1] and train_data.split(keys[:2], 0.999, seed=0)[0]
+    with pytest.raises(EaglewireError, match="too few"):
+        train_data.split(keys[:1], 0.1, seed=0)
+
+
+def test_offline_and_online_corpora_key_their_samples_alike(target, data, prompts):
+    from eaglewire.parallel import Dist
+    online = train_data.build_online(target, prompts, CONTRACT, 256, None, Dist(0, 1, torch.device("cpu"), False))
+    offline = train_data.open_offline(data, target.fingerprint, CONTRACT, 256)
+    assert len(set(online.keys)) == 40 and online.keys == offline.keys
+
+
 def test_online_samples_do_not_depend_on_the_encoding_chunk(target, prompts, monkeypatch, capsys):
     """build_online tokenizes a chunk of conversations per call: chunks of 7 (40 conversations, the
     last chunk short) give the same samples, in the same order, as one call for all. With progress

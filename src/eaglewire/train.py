@@ -57,7 +57,7 @@ class _Run:
         self.stack = locate(self.target.model)
         self.corpus = self._corpus(data)
         self.contract = self.corpus.contract
-        self.train_idx, self.eval_idx = train_data.split(len(self.corpus), cfg.eval_fraction, cfg.seed)
+        self.train_idx, self.eval_idx = train_data.split(self.corpus.keys, cfg.eval_fraction, cfg.seed)
         self.draft = self._draft()
         self.spec = TTTSpec(cfg.ttt_steps, cfg.ttt_decay, cfg.loss)
         self.inner = TTTModel(self.draft, self.spec)
@@ -475,7 +475,8 @@ def register(sub) -> None:
     g.add_argument("--init-from", metavar="CKPT",
                    help="fine-tune this native draft (its weights, vocabulary and shape) instead of a new one")
     g = p.add_argument_group("evaluation, checkpoints, logging")
-    g.add_argument("--eval-fraction", type=float, help="held-out share of the samples (default 0.05)")
+    g.add_argument("--eval-fraction", type=float, help="held-out share of the samples (default 0.05), chosen by a "
+                   "seeded hash of each sample's tokens: on grown data the same samples stay held out")
     g.add_argument("--eval-every", type=int, help="steps between evaluations (default: 10 per run)")
     g.add_argument("--ckpt-every", type=int, help="steps between resume states, 0 = none (default: 10 per run)")
     g.add_argument("--log-every", type=int, help="steps between log lines (default 10)")

@@ -8,6 +8,7 @@ way its taps arrive.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class Corpus:
     loss_tokens: list[int]  # loss positions of TTT step 1 per sample: assistant tokens from index 2 on
     token_freqs: list[tuple[int, int]]  # (token id, count) over assistant tokens
     data_hash: str | None  # the dataset's manifest hash (offline)
+    keys: list[bytes] = field(default_factory=list)  # content_key per sample: what the held-out split reads
     provenance: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -48,10 +50,10 @@ class Corpus:
 class OfflineCorpus(Corpus):
     def __init__(self, ds: shards.ShardDataset, max_len: int):
         self.ds, self.max_len = ds, max_len
-        lengths, loss_tokens = _scan_shards(ds, max_len)
+        lengths, loss_tokens, keys = _scan_shards(ds, max_len)
         m = ds.manifest
         super().__init__(mode="offline", contract=ds.contract, lengths=lengths, loss_tokens=loss_tokens,
-                         token_freqs=ds.token_freqs, data_hash=shards.manifest_hash(m),
+                         token_freqs=ds.token_freqs, data_hash=shards.manifest_hash(m), keys=keys,
                          provenance={"mode": "offline", "dir": ds.dir.name, "manifest_hash": shards.manifest_hash(m),
                                      "samples": len(lengths), "storage_dtype": m.get("storage_dtype"),
                                      "datagen_args": m.get("args"), "prompts": m.get("prompts")})
@@ -61,14 +63,15 @@ class OfflineCorpus(Corpus):
         return {k: v[:self.max_len] for k, v in x.items()}
 
 
-def _scan_shards(ds: shards.ShardDataset, max_len: int) -> tuple[list[int], list[int]]:
-    """Per-sample lengths and step-1 loss positions, and a finiteness check of every hidden state,
-    before training starts (a NaN found mid-run would cost the run)."""
-    lengths, loss_tokens = [], []
+def _scan_shards(ds: shards.ShardDataset, max_len: int) -> tuple[list[int], list[int], list[bytes]]:
+    """Per-sample lengths, step-1 loss positions and content keys, and a finiteness check of every hidden
+    state, before training starts (a NaN found mid-run would cost the run)."""
+    lengths, loss_tokens, keys = [], [], []
     for s in ds.manifest["shards"]:
         path = ds.dir / s["file"]
         with safe_open(str(path), framework="pt") as f:
             offsets, mask = f.get_tensor("offsets").tolist(), f.get_tensor("loss_mask").bool()
+            ids = f.get_tensor("input_ids")
             for name in ("taps", "final_hidden"):
                 sl = f.get_slice(name)
                 for a in range(0, offsets[-1], SCAN_ROWS):
@@ -83,7 +86,8 @@ def _scan_shards(ds: shards.ShardDataset, max_len: int) -> tuple[list[int], list
             b = min(b, a + max_len)
             lengths.append(b - a)
             loss_tokens.append(int(mask[a + 2:b].sum()) if b - a > 2 else 0)
-    return lengths, loss_tokens
+            keys.append(content_key(ids[a:b]))
+    return lengths, loss_tokens, keys
 
 
 class OnlineCorpus(Corpus):
@@ -95,7 +99,7 @@ class OnlineCorpus(Corpus):
         super().__init__(mode="online", contract=contract, lengths=[int(ids.numel()) for ids, _ in samples],
                          loss_tokens=[int(mask[2:].sum()) for _, mask in samples],
                          token_freqs=sorted(freqs.items(), key=lambda tc: (-tc[1], tc[0])), data_hash=None,
-                         provenance=provenance)
+                         keys=[content_key(ids) for ids, _ in samples], provenance=provenance)
 
     def item(self, i: int) -> dict:
         ids, mask = self.samples[i]
@@ -145,15 +149,30 @@ def build_online(target, prompts_path: str | Path, contract: TapContract, max_le
 
 # ---- split and batches --------------------------------------------------------------------------
 
-def split(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train, eval) sample indices, each sorted; the eval set is a seeded random fraction."""
-    n_eval = 0 if eval_fraction == 0 else min(n - 1, max(1, round(n * eval_fraction)))
-    if n - n_eval < 1:
+def content_key(ids: torch.Tensor) -> bytes:
+    """A sample's identity for the held-out split: a hash of its tokens (after max_len)."""
+    return hashlib.blake2b(ids.to(torch.int64).numpy().tobytes(), digest_size=16).digest()
+
+
+def split(keys: list[bytes], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) sample indices, each sorted. A sample is held out by its content alone: a seeded hash
+    of its key below eval_fraction. So a sample held out once stays held out when the data grows (new
+    replies for an --init-from run would otherwise reshuffle the split into what the draft trained on),
+    and copies of one sample never straddle the split. At least one sample lands on each side."""
+    n = len(keys)
+    if eval_fraction == 0:
+        return list(range(n)), []
+    if n < 2:
         raise EaglewireError(f"the data holds {n} sample(s): too few to hold out an eval split "
                              "(pass --eval-fraction 0, or use more data)")
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(n, generator=g).tolist()
-    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+    salt = str(seed).encode()
+    u = [int.from_bytes(hashlib.blake2b(k, digest_size=8, key=salt).digest(), "little") / 2.0 ** 64 for k in keys]
+    held = {i for i in range(n) if u[i] < eval_fraction}
+    if not held:
+        held = {min(range(n), key=u.__getitem__)}
+    if len(held) == n:
+        held.discard(max(range(n), key=u.__getitem__))
+    return [i for i in range(n) if i not in held], sorted(held)
 
 
 def padded(t: int) -> int:
