@@ -287,6 +287,12 @@ def test_resume_after_kill_9_ends_bitwise_identical(target_dir, data, root, caps
     assert cli.main(train_args(target_dir, data, out)) == 2  # an unfinished run needs --resume
     assert cli.main(train_args(target_dir, data, out) + ["--resume", "--lr", "1e-3"]) == 2  # other settings
     assert "differs in config.lr" in capsys.readouterr().err
+    older = root / "older-split"  # a run saved before the split followed content held out other samples
+    shutil.copytree(out, older)
+    del state["identity"]["split"]
+    (older / "resume-state" / "state.json").write_text(json.dumps(state))
+    assert cli.main(train_args(target_dir, data, older) + ["--resume"]) == 2
+    assert "differs in split (an older eaglewire held other samples out)" in capsys.readouterr().err
     assert cli.main(train_args(target_dir, data, out) + ["--resume"]) == 0
     assert cli.main(train_args(target_dir, data, ref)) == 0
     a, b = weights(out), weights(ref)

@@ -189,7 +189,7 @@ class _Run:
         """What a resumed run must share with the one that saved the state (not where or how often it logs)."""
         config = {k: v for k, v in self.cfg.to_dict().items() if k not in RUNTIME_FIELDS}
         return {"config": config, "data": self.corpus.data_hash or self.corpus.provenance,
-                "target": self.target.fingerprint, "world": self.dist.world}
+                "target": self.target.fingerprint, "world": self.dist.world, "split": train_data.SPLIT_RULE}
 
     def save(self, step: int, acc: dict) -> None:
         model_sd, optim_sd = parallel.full_state(self.inner, self.optim)  # a collective under FSDP: all ranks call
@@ -208,7 +208,8 @@ class _Run:
         diffs = [k for k in want if json.dumps(want[k], sort_keys=True) != json.dumps(found.get(k), sort_keys=True)]
         if diffs:
             detail = [f"config.{f}" for f in want["config"] if want["config"][f] != found["config"].get(f)] \
-                + [k for k in diffs if k != "config"]
+                + [k if k != "split" else "split (an older eaglewire held other samples out)" for k in diffs
+                   if k != "config"]
             raise UsageError(f"--out {self.out}: the unfinished run there differs in {', '.join(detail)}; resume "
                              "with the same target, data and settings, or choose another --out")
         parallel.load_full_state(self.inner, self.optim, model_sd, optim_sd)

@@ -149,6 +149,9 @@ def build_online(target, prompts_path: str | Path, contract: TapContract, max_le
 
 # ---- split and batches --------------------------------------------------------------------------
 
+SPLIT_RULE = "content-hash"  # in a resume state's identity: a run split by a seeded permutation resumes no more
+
+
 def content_key(ids: torch.Tensor) -> bytes:
     """A sample's identity for the held-out split: a hash of its tokens (after max_len)."""
     return hashlib.blake2b(ids.to(torch.int64).numpy().tobytes(), digest_size=16).digest()
