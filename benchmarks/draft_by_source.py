@@ -8,7 +8,11 @@ Sources: MT-bench (evenly spaced), ShareGPT human turns that follow a gpt openin
 recipes never train on), prompts the target writes itself (`datagen.self_prompts`), and, with
 --trained FILE (a recipe's regenerated.jsonl[.gz]), replies the draft was trained on. A held-out
 split of the training conversations can share prompts with them; these sources cannot.
-Prints a table and writes the same numbers as JSON.
+
+Each source is also split by the target's confidence at the predicted position (its top-1 probability):
+a draft cannot call the target's greedy choice where the target itself nearly ties, so the share of such
+positions bounds what any draft accepts on a source, and acc@1 within each band says where a draft loses.
+Prints the tables and writes the same numbers as JSON.
 """
 
 from __future__ import annotations
@@ -55,6 +59,31 @@ def trained_on(path: Path, n: int) -> list[tuple[list[dict], str]]:
     return picked
 
 
+BANDS = (0.9, 0.5, 0.0)  # lower edges of the target's top-1 probability bands, high to low
+
+
+@torch.no_grad()
+def step_one_by_confidence(draft, head, seq, mask, taps, final_hidden) -> torch.Tensor:
+    """(len(BANDS), 2): per band of the target's top-1 probability, [positions, step-1 correct], over the
+    positions TTT step 1 scores (the predicted token x_{t+2} is a reply token)."""
+    T = seq.shape[1]
+    logits_t = head(final_hidden.to(head.weight.dtype)).float()  # (1, T, V): row t predicts x_{t+1}
+    conf, top = logits_t.softmax(-1).max(-1)
+    hidden = draft.fuse(taps)
+    ids = torch.nn.functional.pad(seq, (0, 1))
+    pos = torch.arange(T, device=seq.device)[None]
+    logits, _ = draft(ids[:, 1:1 + T], hidden, pos, cache=draft.new_cache(1, None, dtype=hidden.dtype,
+                                                                            device=hidden.device))
+    guess = draft.draft_to_target(logits.argmax(-1))[:, :T - 2]  # row t predicts x_{t+2}, t + 2 < T
+    correct, c, m = guess == top[:, 1:T - 1], conf[:, 1:T - 1], mask[:, 2:]
+    out, upper = torch.zeros(len(BANDS), 2, dtype=torch.float64), 1.01
+    for i, low in enumerate(BANDS):
+        band = m & (c >= low) & (c < upper)
+        out[i] = torch.tensor([band.sum().item(), (band & correct).sum().item()])
+        upper = low
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=targets.DEFAULT_TARGET)
@@ -88,6 +117,7 @@ def main(argv=None) -> int:
     rows = {}
     for name, items in sources.items():
         total, tokens, steps = metrics.zeros(a.chain, "cpu"), 0, 0
+        bands = torch.zeros(len(BANDS), 2, dtype=torch.float64)
         for msgs, reply in items:
             prompt = encode_prompt(t.tokenizer, msgs).reshape(-1)
             if reply is None:  # the target's own greedy reply, decoded with the draft (acceptance measured)
@@ -103,9 +133,15 @@ def main(argv=None) -> int:
                 probs, top, inv = target_side(stack.lm_head, cap.final_hidden, draft.t2d, ids_d, 8)
                 _, counts = ttt(seq, mask, cap.taps, probs, top, inv, denom=1.0)
             total += counts.cpu()
+            bands += step_one_by_confidence(draft, stack.lm_head, seq, mask, cap.taps, cap.final_hidden)
         s = metrics.summarize(total)
+        n, ok = bands.sum(0).tolist()
+        assert abs(ok / max(n, 1) - s["acc"][0]) < 1e-6, (ok / max(n, 1), s["acc"][0])  # the same positions as TTT's
         rows[name] = {"prompts": len(items), "acc": s["acc"], "estimated_acceptance_length": s["acceptance_length"],
-                      "decoded_acceptance_length": tokens / steps if steps else None}
+                      "decoded_acceptance_length": tokens / steps if steps else None,
+                      "by_target_confidence": [{"top1_prob_from": low, "share": n / max(bands[:, 0].sum().item(), 1),
+                                                "acc1": ok / n if n else None}
+                                               for low, (n, ok) in zip(BANDS, bands.tolist())]}
 
     print(f"draft quality by prompt source: {a.draft}, {a.prompts} prompts each, {a.new} reply tokens, "
           f"{str(next(t.model.parameters()).dtype).split('.')[-1]} on {t.device}")
@@ -114,6 +150,13 @@ def main(argv=None) -> int:
         dal = f"{r['decoded_acceptance_length']:.2f}" if r["decoded_acceptance_length"] else "-"
         print(f"{name:<18}{r['acc'][0]:>7.3f}{r['acc'][1]:>7.3f}{r['acc'][2]:>7.3f}"
               f"{r['estimated_acceptance_length']:>9.2f}{dal:>12}")
+    print("\nstep-1 accuracy by the target's top-1 probability at the predicted position (share of positions, acc@1)")
+    edges = [f">= {lo}" if i == 0 else f"{lo}-{BANDS[i - 1]}" for i, lo in enumerate(BANDS)]
+    print(f"{'source':<18}" + "".join(f"{e:>18}" for e in edges))
+    for name, r in rows.items():
+        cells = [f"{b['share']:.2f}, {b['acc1']:.3f}" if b["acc1"] is not None else f"{b['share']:.2f}, -"
+                 for b in r["by_target_confidence"]]
+        print(f"{name:<18}" + "".join(f"{c:>18}" for c in cells))
     if a.json:
         out = {"eaglewire": __version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
                "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, "rows": rows}
