@@ -255,10 +255,12 @@ MIN_PROMPT_WORDS = 3  # shorter self-written prompts ("Hi", half a word) teach t
 # Words a steered self-written prompt opens with, in turn ("" leaves it to the target). Unsteered,
 # SmolLM2-135M writes mostly requests for help and plans: "Can you provide" / "help" / "suggest" and
 # "I'm planning" / "looking for" / "considering" open a quarter of 16,699 prompts (sixth run), while
-# tasks to write, solve, extract from, role-play or code are rare.
+# tasks to write, solve, extract from, role-play or code are rare. The tenth run found the draft weakest on
+# prompts unlike its data in every band of the target's confidence, so the last ten widen the kinds of task.
 OPENERS = ("", "Write", "Explain", "Solve", "Imagine", "Describe", "Compare", "Summarize", "Extract", "Rewrite",
            "Calculate", "Implement", "Pretend", "Given", "Why", "How", "What", "Create", "List", "Analyze",
-           "Translate", "Design", "Classify", "Evaluate")
+           "Translate", "Design", "Classify", "Evaluate",
+           "Compose", "Draft", "Act as", "Suppose", "Discuss", "Find", "Identify", "Edit", "Debug", "Convert")
 
 
 def self_prompts(target: targets.Target, n: int, gen: GenConfig, dist: Dist | None = None,
