@@ -202,7 +202,7 @@ def test_no_hf_and_sampling(shift, prompt_file):
     assert r["speedups"]["spec/hf"] is None and r["suite"]["prompts"] == 2
 
 
-def test_acceptance_by_category_where_the_suite_has_them(shift, prompt_file, monkeypatch):
+def test_acceptance_by_category_where_the_suite_has_them(shift, prompt_file, monkeypatch, tmp_path):
     """MT-bench's records carry a category (suites.py); the bench reports the acceptance length of each."""
     target, draft = shift
     load = bench.suites.load_suite
@@ -217,6 +217,8 @@ def test_acceptance_by_category_where_the_suite_has_them(shift, prompt_file, mon
             "math": pp[1]["spec_tokens"] / pp[1]["spec_steps"]}
     assert r["acceptance_by_group"] == pytest.approx(want) and list(r["acceptance_by_group"]) == ["writing", "math"]
     assert "acceptance by category: writing " in bench.format_table(r)
+    png = bench.plot_acceptance(r, tmp_path / "acc.png").read_bytes()  # a second panel: the categories
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1260
 
 
 def test_greedy_check_reports_divergence(random_pair, prompt_file):

@@ -336,7 +336,8 @@ def floor_ms(weight_bytes: int, device_name: str, bandwidth: float | None) -> tu
 
 
 def plot_acceptance(result: dict, out: Path) -> Path:
-    """PNG of the acceptance rate by draft position (Agg canvas: no display, no global backend)."""
+    """PNG of the acceptance rate by draft position, and by category where the suite has them (Agg canvas:
+    no display, no global backend)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -344,9 +345,14 @@ def plot_acceptance(result: dict, out: Path) -> Path:
     rate = acc["rate_by_position"]
     cond = [c if c is not None else float("nan") for c in acc["conditional_rate_by_position"]]
     x = list(range(1, len(rate) + 1))
-    fig = Figure(figsize=(6, 3.6), dpi=120)
+    groups = {k: v for k, v in (result.get("acceptance_by_group") or {}).items() if v is not None}
+    fig = Figure(figsize=(10.5 if groups else 6, 3.6), dpi=120)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(1, 2, 1) if groups else fig.add_subplot()
+    if groups:  # a second panel: acceptance length by category (MT-bench's writing, roleplay, ...)
+        bx = fig.add_subplot(1, 2, 2)
+        bx.barh(list(groups)[::-1], list(groups.values())[::-1], color="#228833")
+        bx.set(xlabel="acceptance length (tokens a step)", title="by category")
     ax.bar(x, rate, color="#4477aa", label="accepted at least i (share of steps)")
     ax.plot(x, cond, "o-", color="#ee6677", label="given i-1 accepted")
     ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1.05), xticks=x)
@@ -561,7 +567,7 @@ def register(sub) -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--budget", type=int, default=63, help="draft tokens per tree after pruning")
     p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON")
-    p.add_argument("--plot", default=None, metavar="OUT.png", help="PNG of acceptance rate by draft position")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="PNG of acceptance rate by draft position (and by category where the suite has them)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: fp32 on cpu, bf16 on cuda")
     p.add_argument("--no-hf", action="store_true", help="skip (a), HF generate")
