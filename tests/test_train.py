@@ -215,7 +215,8 @@ def test_the_held_out_split_follows_each_samples_content():
     assert sorted(tr + ev) == list(range(2000)) and 140 < len(ev) < 260
     grown = keys[:1000] + [train_data.content_key(torch.tensor([5000 + i, 1])) for i in range(3000)]
     _, ev_grown = train_data.split(grown, 0.1, seed=0)
-    assert {i for i in ev if i < 1000} == {i for i in ev_grown if i < 1000}  # a permutation of 4000 would keep ~10% of them
+    # a permutation of 4000 would keep only ~10% of them held out
+    assert {i for i in ev if i < 1000} == {i for i in ev_grown if i < 1000}
     copies = keys[:50] * 3
     _, ev_copies = train_data.split(copies, 0.3, seed=0)
     assert {i % 50 for i in ev_copies} == {i for i in ev_copies if i < 50} and len(ev_copies) % 3 == 0

@@ -18,8 +18,8 @@ Acceptance length = generated tokens / verification steps, the bonus token inclu
 position i = the share of verification steps that accepted at least i draft tokens (vLLM's
 `spec_decode_num_accepted_tokens_per_pos[i] / num_drafts`); `conditional` divides by the steps
 that accepted i-1 instead. Suites with categories (MT-bench) also get the acceptance length of each
-category: where a draft falls short is often one kind of prompt. A target step's physical floor is the bytes of its weights read once at
-memory bandwidth (H200: 4.3 TB/s); on a CPU only ms/step is reported.
+category: where a draft falls short is often one kind of prompt. A target step's physical floor is the
+bytes of its weights read once at memory bandwidth (H200: 4.3 TB/s); on a CPU only ms/step is reported.
 
 Greedy runs check that (b) and (c) emit the tokens of (a) (or of (b) with `hf=False`). In fp32 a
 mismatch is a failure unless the target's top-2 logits at the divergence are a near tie (< TIE_GAP
@@ -567,7 +567,8 @@ def register(sub) -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--budget", type=int, default=63, help="draft tokens per tree after pruning")
     p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON")
-    p.add_argument("--plot", default=None, metavar="OUT.png", help="PNG of acceptance rate by draft position (and by category where the suite has them)")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="PNG of acceptance rate by draft position (and by category where the suite has them)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: fp32 on cpu, bf16 on cuda")
     p.add_argument("--no-hf", action="store_true", help="skip (a), HF generate")

@@ -124,8 +124,9 @@ class SpecDecoder:
     count; the copy holds those projections twice, which a big target cannot spare.
     grouped_attention runs a target whose query heads share K/V heads through attention.grouped_sdpa
     (each K/V head read in place) instead of transformers' sdpa, which copies the K/V for every query head.
-    Off by default: on the H200 an earlier version made a compiled plain step slower (1.223 -> 1.307 ms);
-    benchmarks/decode_steps.py --attention sdpa,grouped times it per round kind.
+    Off by default: on the H200 (tenth run) grouped sdpa won the verify rounds by 1-3% but lost the plain
+    step by 8%; the one-row matmul path that replaced it there awaits `benchmarks/decode_steps.py
+    --attention sdpa,grouped`.
     device/dtype move the target (and the draft follows the target).
     """
 
