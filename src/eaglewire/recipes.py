@@ -263,7 +263,7 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
                               "replies": len(replies), "turns": recipe.turns,
                               "max_new_tokens": recipe.gen.max_new_tokens, "batch_size": recipe.gen.batch_size,
                               "batch_tokens": recipe.gen.batch_tokens, "cache": recipe.gen.cache,
-                              "engine": recipe.gen.engine,
+                              "engine": recipe.gen.engine_for(tgt.model, tgt.device),
                               "batches": batches},
               "train": {"steps": m["steps"], "stopped_early": m["stopped_early"], "tokens_per_s": m["tokens_per_s"],
                         "mfu": m["mfu"], "peak_tflops": PEAK_TFLOPS, "flops_per_token": m["flops_per_token"],
