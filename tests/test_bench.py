@@ -173,7 +173,7 @@ def test_compile_setting(monkeypatch):
         assert seen[-1] == want, flags
     monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["grouped_attention"]) or
                         (_ for _ in ()).throw(UsageError("stop")))
-    for flags, want in (([], False), (["--grouped-attention"], True)):
+    for flags, want in (([], None), (["--grouped-attention"], True), (["--no-grouped-attention"], False)):
         assert main(["bench", "--target", "t", "--draft", "d", *flags]) == 2
         assert seen[-1] == want, flags
 

@@ -10,8 +10,8 @@ the warm-up compiles them, and a size first met while timed is counted in `graph
 On a CPU in fp32 they run oneDNN-packed linear layers (prepack.py; "+onednn" in the run's name), while
 (a) keeps transformers' own: the engines differ in their matrix kernels too, and (b) shows by how much.
 `fuse_projections` (on: SpecDecoder's default, targets up to 1B parameters) runs (b) and (c) with
-q/k/v and gate/up as one matmul each ("+fused"; projections.py). `grouped_attention` (off: SpecDecoder's
-default) runs a target whose query heads share K/V heads through attention.py's grouped sdpa ("+grouped").
+q/k/v and gate/up as one matmul each ("+fused"; projections.py). `grouped_attention` (None: SpecDecoder's
+default, on for CUDA) runs a target whose query heads share K/V heads through attention.py ("+grouped").
 
 Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
 `completion_tokens / spec_verify_ct`, vLLM `1 + accepted / drafts`). Acceptance rate at draft
@@ -29,6 +29,7 @@ the target's top-2 logit gap at each: small gaps are rounding, a large one point
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import platform
@@ -73,7 +74,7 @@ class BenchConfig:
     compile: bool | str = "auto"  # torch.compile our decoder's forwards; auto: on cuda, not on cpu
     prepack: bool = True  # oneDNN-packed linears for our decoder where they apply (fp32 on a cpu, not compiled)
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each in our decoder's target (small targets)
-    grouped_attention: bool = False  # K/V heads read in place, not repeated per query head (attention.py)
+    grouped_attention: bool | None = None  # K/V heads read in place (attention.py); None: on CUDA
     warmup: bool = True
     seed: int = 0
     bandwidth: float | None = None  # bytes/s; None: BANDWIDTH by device name
@@ -97,9 +98,10 @@ class BenchConfig:
             bad("compile", "must be auto, True or False")
         if not isinstance(self.prepack, bool):
             bad("prepack", "must be True or False")
-        for f in ("fuse_projections", "grouped_attention"):
-            if not isinstance(getattr(self, f), bool):
-                bad(f, "must be True or False")
+        if not isinstance(self.fuse_projections, bool):
+            bad("fuse_projections", "must be True or False")
+        if not isinstance(self.grouped_attention, bool | None):
+            bad("grouped_attention", "must be True, False or None (auto)")
         if self.hf_cache not in ("auto", "dynamic", "static"):
             bad("hf_cache", "must be auto, dynamic or static")
         if self.bandwidth is not None and not self.bandwidth > 0:
@@ -584,9 +586,9 @@ def register(sub) -> None:
     p.add_argument("--no-fuse-projections", action="store_true",
                    help="keep q/k/v and gate/up apart in our decoder's target (default: one matmul each for "
                         "targets up to 1B parameters, fewer kernels a step)")
-    p.add_argument("--grouped-attention", action="store_true",
-                   help="read each K/V head in place in our decoder's target, where query heads share them "
-                        "(default: transformers' own sdpa, which copies K/V for every query head)")
+    p.add_argument("--grouped-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="read each K/V head in place in our decoder's target, where query heads share them, instead "
+                        "of transformers' sdpa, which copies K/V for every query head (default: on CUDA only)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",

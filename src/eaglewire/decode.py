@@ -124,16 +124,16 @@ class SpecDecoder:
     count; the copy holds those projections twice, which a big target cannot spare.
     grouped_attention runs a target whose query heads share K/V heads through attention.grouped_sdpa
     (each K/V head read in place) instead of transformers' sdpa, which copies the K/V for every query head.
-    Off by default: on the H200 (tenth run) grouped sdpa won the verify rounds by 1-3% but lost the plain
-    step by 8%; the one-row matmul path that replaced it there awaits `benchmarks/decode_steps.py
-    --attention sdpa,grouped`.
+    None: on for a CUDA target, where it won every round on the H200 (plain step 1.104 -> 1.046 ms,
+    eleventh run; chain and tree rounds by 1-3%, tenth); not on a CPU, where it was mixed (2-core,
+    eleventh run: plain 22.1 -> 22.5 ms, chain 3 33.3 -> 31.9 ms).
     device/dtype move the target (and the draft follows the target).
     """
 
     def __init__(self, target, draft=None, meta=None, *, mode: str = "chain", K: int = 7, depth: int = 6,
                  topk: int = 8, budget: int = 63, device=None, dtype=None, cuda_graphs: bool = False,
                  static_shapes: bool = False, compile: bool = False, prepack: bool | None = None,
-                 fuse_projections: bool | None = None, grouped_attention: bool = False, strict: bool = False):
+                 fuse_projections: bool | None = None, grouped_attention: bool | None = None, strict: bool = False):
         self.spec = SpecConfig(mode=mode, K=K, depth=depth, topk=topk, budget=budget)
         self.target, self.draft = target, draft
         if device is not None or dtype is not None:
@@ -157,7 +157,7 @@ class SpecDecoder:
         model = packing.prepacked(fused) if pack else fused
         self.prepack = model is not fused  # False too when no layer is large enough to pack
         self.grouped_attention = False  # stays so without shared K/V heads or sdpa
-        if grouped_attention:
+        if grouped_attention or (grouped_attention is None and p.device.type == "cuda"):
             own = model if model is not target.model else shared_copy(model)  # its config changes
             self.grouped_attention = attention.use_grouped(own)
             model = own if self.grouped_attention else model
