@@ -16,7 +16,7 @@ import eaglewire.decode as decode
 from eaglewire.acceptance import SamplingParams, logits_to_probs
 from eaglewire.compiled import CompileError
 from eaglewire.errors import UsageError
-from eaglewire.runners import SlotRunner
+from eaglewire.runners import SlotRunner, TargetRunner
 from eaglewire.taps import TapContract
 from decoding import (CHAIN, CONTRACT, TREE, as_target, fake_capture, fit, new_draft, prompts,
                       reference_greedy, save_load)
@@ -277,6 +277,56 @@ def test_plain_decoding_reading_tokens_back_in_chunks(llama, seqs):
     assert len(chunks) == 1 + -(-(len(res.tokens) - 1) // decode.PLAIN_AHEAD)
     for n in (1, 8, 9, 30):  # the last chunk never runs past max_new_tokens (the cache holds no more)
         assert dec.generate_plain(p, n).tokens == ref[:n]
+
+
+def test_greedy_plain_steps_feed_themselves(llama, seqs, monkeypatch):
+    """Greedy plain decoding with static shapes (CUDA's graphs; counted on a CPU): each step's argmax is
+    the next step's input inside its static function, which also moves its position on. A read-back of
+    n tokens is n replays and, outside them, only the first token's copy and two fills: no argmax, copy
+    or fill launched between two steps. The tokens are the target's own greedy ones."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    inside, calls = [], []
+    step = TargetRunner._greedy_step
+
+    def marked(self, feed, view_len):
+        calls[-1][1] += 1
+        inside.append(1)
+        try:
+            return step(self, feed, view_len)
+        finally:
+            inside.pop()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside:
+                calls[-1][2].append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(TargetRunner, "_greedy_step", marked)
+    dec = decode.SpecDecoder(llama, static_shapes=True)
+    dec.plain_ahead = decode.PLAIN_AHEAD
+    greedy = dec.plain.greedy_steps
+
+    def counted(tok, n):
+        calls.append([n, 0, []])
+        with Ops():
+            return greedy(tok, n)
+
+    monkeypatch.setattr(dec.plain, "greedy_steps", counted)
+    for i, p in enumerate(prompts(seqs)[1:3]):
+        calls.clear()
+        assert dec.generate_plain(p, 19).tokens == reference_greedy(llama.model, p, 19), p
+        assert [(n, replays) for n, replays, _ in calls] == [(8, 8), (8, 8), (2, 2)]
+        # (the very first call makes the static function's buffers)
+        assert all(names == ["copy_", "fill_", "fill_", "slice"] for _, _, names in calls[1 - bool(i):]), calls
+    # the step is a CUDA graph on a GPU: no host read-back inside (make_fx refuses _local_scalar_dense)
+    st = dec.plain._static[(1, ("ids",), "greedy")]
+    keys = sorted(st.inputs)
+    with torch.no_grad():
+        make_fx(lambda *v: step(dec.plain, dict(zip(keys, v)), dec.plain.book.max_len))(
+            *[st.inputs[k].clone() for k in keys])
 
 
 # --- sampling: lossless ---------------------------------------------------------------------------

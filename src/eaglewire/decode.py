@@ -214,6 +214,7 @@ class SpecDecoder:
         On CUDA the tokens are read back every PLAIN_AHEAD steps, not every step: the host queues
         the next steps while the GPU runs them (a read-back per token would leave the GPU idle while
         the host prepares each step). Up to PLAIN_AHEAD - 1 steps past an EOS are computed and dropped.
+        Greedy with static shapes, each step's argmax feeds the next inside its replay (greedy_steps).
         """
         ids, gen, out = self._start(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
         run = self.plain
@@ -222,13 +223,19 @@ class SpecDecoder:
         tok = self._choose(logits, sampling, gen)
         out.add([int(tok)])
         while not out.done:
-            new = []
-            for _ in range(min(self.plain_ahead, out.max_new - len(out.tokens))):  # no host sync inside
-                logits, = run.forward({"ids": tok.view(1)}, run.length)
-                run.commit(1)
-                tok = self._choose(logits[0], sampling, gen)
-                new.append(tok)
-            out.add(torch.stack(new).tolist())  # the sync
+            n = min(self.plain_ahead, out.max_new - len(out.tokens))  # no host sync inside
+            if sampling.greedy and run.static:  # the argmax feeds the next step inside the replay
+                new = run.greedy_steps(tok, n)
+                tok = new[-1]
+            else:
+                new = []
+                for _ in range(n):
+                    logits, = run.forward({"ids": tok.view(1)}, run.length)
+                    run.commit(1)
+                    tok = self._choose(logits[0], sampling, gen)
+                    new.append(tok)
+                new = torch.stack(new)
+            out.add(new.tolist())  # the sync
         return out.result(None, 0)
 
     # -- one round ---------------------------------------------------------------------------------

@@ -308,6 +308,18 @@ class SlotRunner:
                       at=torch.tensor([0, s - scratch], device=dev))
         return inputs
 
+    def _static_function(self, key: tuple, fn, inputs: dict[str, torch.Tensor], *args) -> None:
+        """fn(inputs, *args) over the fixed buffers `inputs`, compiled if the runner compiles, as static
+        key. Eager until the K/V buffers are made (_kv_made)."""
+        compiled = torch.compile(fn, dynamic=False, options=compile_options(self.device, self.autotune)) \
+            if self.compiles else None
+
+        def run():
+            if compiled is None or not self._kv_made():
+                return fn(inputs, *args)
+            return self._guarded(compiled, inputs, *args)
+        self._static[key] = self._make_static(inputs, run)
+
     def _make_static(self, inputs: dict[str, torch.Tensor], fn) -> _Static:
         """A static-shape function over fixed input buffers: a captured CUDA graph, or a plain call."""
         st = _Static(inputs)
@@ -380,6 +392,43 @@ class TargetRunner(SlotRunner):
             logits, = super()._call(feed, view_len, compiled, tuned)
         return logits, hooks.taps
 
+    @torch.no_grad()
+    def greedy_steps(self, tok: torch.Tensor, n: int) -> torch.Tensor:
+        """n greedy steps of plain decoding from `tok` (0-d, the next token, not yet in the cache),
+        committed; returns their tokens (n,) on the device, a view of this runner's buffer (valid until
+        this position is decoded again). Each step is one static function that writes its argmax as the
+        next step's input and moves its own position on: on CUDA the host only replays, with no copy,
+        argmax or fill launched between two steps."""
+        assert self.contract is None and self.static and self.pending == 0, "plain static runner, no pending rows"
+        key = (1, ("ids",), "greedy")
+        if key not in self._static:
+            s, dev = self.book.max_len, self.device
+            inputs = {"ids": torch.zeros(1, 1, dtype=torch.long, device=dev), "next": torch.zeros(s, dtype=torch.long,
+                      device=dev), "pos": torch.zeros(1, 1, dtype=torch.long, device=dev),
+                      "block": torch.ones(1, 1, dtype=torch.bool, device=dev),
+                      "at": torch.tensor([s - 3, s - 3], device=dev)}  # a capture's two warm-ups write s-3, s-2
+            self._static_function(key, self._greedy_step, inputs, s)
+        st = self._static[key]
+        st.inputs["ids"].copy_(tok)
+        st.inputs["pos"].fill_(self.length)
+        st.inputs["at"].fill_(self.length)
+        for _ in range(n):
+            st.run()
+        self.length += n
+        return st.inputs["next"][self.length - n:self.length]
+
+    def _greedy_step(self, feed: dict[str, torch.Tensor], view_len: int) -> tuple[torch.Tensor]:
+        """One plain step whose argmax becomes its next input: next[pos] = that token, pos and at + 1."""
+        feed = dict(feed)
+        following = feed.pop("next")
+        logits, = self._masked_forward(feed, view_len)
+        tok = logits[0, -1].argmax().view(1, 1)
+        following.index_copy_(0, feed["pos"][0], tok[0])
+        feed["ids"].copy_(tok)
+        feed["pos"].add_(1)
+        feed["at"].add_(1)
+        return (tok,)
+
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The prompt (P,) into the empty cache: last-position logits (V,) and taps (P, n*H) if any.
 
@@ -448,18 +497,6 @@ class DraftRunner(SlotRunner):
         st.inputs["pos"].fill_(position)
         st.inputs["at"].fill_(start)
         return st
-
-    def _static_function(self, key: tuple, fn, inputs: dict[str, torch.Tensor], *args) -> None:
-        """fn(inputs, *args) over the fixed buffers `inputs`, compiled if the runner compiles, as static
-        key. Eager until the K/V buffers are made (_kv_made)."""
-        compiled = torch.compile(fn, dynamic=False, options=compile_options(self.device, self.autotune)) \
-            if self.compiles else None
-
-        def run():
-            if compiled is None or not self._kv_made():
-                return fn(inputs, *args)
-            return self._guarded(compiled, inputs, *args)
-        self._static[key] = self._make_static(inputs, run)
 
     @torch.no_grad()
     def extend_greedy_chain(self, inputs: dict[str, torch.Tensor], steps: int) -> torch.Tensor | None:
