@@ -200,6 +200,30 @@ def test_a_greedy_chain_round_launches_little_outside_its_replays(llama, seqs, d
         assert names.count("copy_") <= 4 and names.count("arange") == 2 and names.count("fill_") == 3, names
 
 
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_the_drafts_steps_fused_and_grouped_propose_the_same_tokens(llama, seqs, drafts, shape):
+    """The decoder runs the draft's steps on a copy with q/k/v and gate/up fused and K/V heads read in
+    place (as its target on CUDA): the same proposals, so the same acceptance, step by step (fp32);
+    the caller's draft keeps its own modules."""
+    from eaglewire.draft import _Attention
+    from eaglewire.projections import FusedFirst
+
+    draft, meta = drafts["trained"]
+    runs = {}
+    for fast in (False, True):
+        dec = decode.SpecDecoder(llama, draft, meta, static_shapes=True, fuse_projections=fast,
+                                 grouped_attention=fast, prepack=False, **shape)
+        engine = dec.drafter.draft
+        attn = [m for m in engine.modules() if isinstance(m, _Attention)]
+        assert all(m.grouped is fast for m in attn) and any(isinstance(m, FusedFirst) for m in engine.modules()) is fast
+        runs[fast] = [dec.generate(p, 24) for p in prompts(seqs)[:4]]
+    for slow, fast in zip(runs[False], runs[True]):
+        assert fast.tokens == slow.tokens and fast.accepted_per_step == slow.accepted_per_step
+    assert sum(sum(r.accepted_per_step) for r in runs[True]) > 0  # the draft proposes tokens that are kept
+    assert not any(m.grouped for m in draft.modules() if isinstance(m, _Attention))
+    assert not any(isinstance(m, FusedFirst) for m in draft.modules())
+
+
 def test_compiled_greedy_equals_target_greedy(llama, seqs, drafts):
     """compile=True (static shapes, no graphs on a CPU): the same tokens; one compiled graph per padded
     size and input kind the runners met, and none more when the prompts run again (dynamo's counters)."""

@@ -27,6 +27,7 @@ from . import attention, projections
 from . import prepack as packing
 from .acceptance import (SamplingParams, logits_to_probs, verify_chain_greedy, verify_chain_sampling,
                          verify_tree_greedy, verify_tree_sampling)
+from .draft import grouped_copy
 from .errors import UsageError
 from .runners import DraftRunner, TargetRunner
 from .targets import compare_fingerprints, shared_copy
@@ -126,7 +127,8 @@ class SpecDecoder:
     (each K/V head read in place) instead of transformers' sdpa, which copies the K/V for every query head.
     None: on for a CUDA target, where it won every round on the H200 (plain step 1.104 -> 1.046 ms,
     eleventh run; chain and tree rounds by 1-3%, tenth); not on a CPU, where it was mixed (2-core,
-    eleventh run: plain 22.1 -> 22.5 ms, chain 3 33.3 -> 31.9 ms).
+    eleventh run: plain 22.1 -> 22.5 ms, chain 3 33.3 -> 31.9 ms). The draft's steps follow both choices
+    on a copy of their own (draft.grouped_copy, projections.fused): they too are bound by kernel count.
     device/dtype move the target (and the draft follows the target).
     """
 
@@ -157,7 +159,8 @@ class SpecDecoder:
         model = packing.prepacked(fused) if pack else fused
         self.prepack = model is not fused  # False too when no layer is large enough to pack
         self.grouped_attention = False  # stays so without shared K/V heads or sdpa
-        if grouped_attention or (grouped_attention is None and p.device.type == "cuda"):
+        grouped = grouped_attention if grouped_attention is not None else p.device.type == "cuda"
+        if grouped:
             own = model if model is not target.model else shared_copy(model)  # its config changes
             self.grouped_attention = attention.use_grouped(own)
             model = own if self.grouped_attention else model
@@ -174,7 +177,10 @@ class SpecDecoder:
         if s.mode == "tree" and s.topk > draft.config.draft_vocab_size:
             raise UsageError(f"--topk {s.topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size} tokens)")
         draft.to(device=p.device, dtype=p.dtype).eval()
-        engine_draft = packing.prepacked(draft) if self.prepack else draft
+        # the draft's steps are as bound by their kernel count as the target's: the same fusions
+        engine_draft = projections.fused(draft) if fuse else draft
+        engine_draft = grouped_copy(engine_draft) if grouped else engine_draft
+        engine_draft = packing.prepacked(engine_draft) if self.prepack else engine_draft
         self.draft_ids = torch.arange(draft.config.draft_vocab_size, device=p.device) + draft.d2t  # -> target id
         verify = s.K + 1 if s.mode == "chain" else s.budget + 1
         self.verifier = TargetRunner(model, meta.contract, sizes=(verify,), **graphs)

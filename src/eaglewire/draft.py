@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import grouped_attention
 from .errors import EaglewireError, UsageError
-from .targets import text_config
+from .targets import shared_copy, text_config
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
                 "relu": F.relu}
@@ -274,6 +275,8 @@ class _MLP(nn.Module):
 
 
 class _Attention(nn.Module):
+    grouped = False  # decoding: K/V heads read in place (attention.py), set on the decoder's copy (grouped_copy)
+
     def __init__(self, c: DraftConfig, in_features: int, layer: int):
         super().__init__()
         self.nh, self.nkv, self.hd, self.layer = c.num_attention_heads, c.num_key_value_heads, c.head_dim, layer
@@ -290,6 +293,9 @@ class _Attention(nn.Module):
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(self.layer, k, v)  # (B, nkv, S, hd): cached keys, then the new ones
+        if self.grouped and mask is not None and self.nh != self.nkv:
+            out = grouped_attention(q, k, v, mask)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         if self.nh != self.nkv:  # grouped-query attention
             k, v = (t.repeat_interleave(self.nh // self.nkv, dim=1) for t in (k, v))
         S = k.shape[2]
@@ -334,6 +340,19 @@ class _Layer(nn.Module):
     def forward(self, h, cos, sin, cache, mask):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def grouped_copy(draft: nn.Module) -> nn.Module:
+    """A copy of `draft` (tensors shared) whose attention reads each K/V head in place under a mask, as
+    the decoder's target does on CUDA: no K/V copy per query head in each draft step. The draft itself
+    when its heads do not share K/V heads."""
+    if not any(isinstance(m, _Attention) and m.nh != m.nkv for m in draft.modules()):
+        return draft
+    out = shared_copy(draft)
+    for m in out.modules():
+        if isinstance(m, _Attention):
+            m.grouped = True
+    return out
 
 
 class Eagle3Draft(nn.Module):
