@@ -42,27 +42,27 @@ def random_draft(target, out: Path):
     return load_draft(out)
 
 
-def graph_ms(replays: list, iters: int = 50) -> float | None:
-    """Summed GPU milliseconds of one replay of each graph (CUDA events around `iters` replays)."""
-    if not replays:
-        return None
+def graph_ms(st, iters: int = 50) -> float:
+    """GPU milliseconds of one replay of a static function's graph (CUDA events around each replay).
+    Its input buffers are put back after every replay: some graphs move their own positions on (the
+    greedy plain step, ChainRounds' rounds), and unchecked they would write past the cache."""
+    saved = {k: t.clone() for k, t in st.inputs.items()}
     total = 0.0
-    for replay in replays:
-        replay()
-        torch.cuda.synchronize()
+    for i in range(iters + 1):  # the first replay warms up
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(iters):
-            replay()
+        st.run()
         b.record()
+        for k, t in saved.items():
+            st.inputs[k].copy_(t)
         torch.cuda.synchronize()
-        total += a.elapsed_time(b) / iters
-    return total
+        total += a.elapsed_time(b) if i else 0.0
+    return total / iters
 
 
 def replays(runner) -> dict[str, object]:
-    """The runner's captured graphs by key (empty without CUDA graphs)."""
-    return {str(k): st.run for k, st in runner._static.items() if st.outputs is not None}
+    """The runner's captured static functions by key (empty without CUDA graphs)."""
+    return {str(k): st for k, st in runner._static.items() if st.outputs is not None}
 
 
 def replays_per_round(runners, run) -> tuple[dict[str, float], object]:
@@ -140,8 +140,8 @@ def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: 
         if dec.device.type == "cuda":
             runners = [dec.plain] if plain else [dec.drafter, dec.verifier]
             per_round, _ = replays_per_round(runners, lambda: (dec.generate_plain if plain else dec.generate)(ids, new))
-            graphs = {f"{type(r).__name__}{key}": fn for r in runners for key, fn in replays(r).items()}
-            row["graphs"] = {key: graph_ms([fn]) for key, fn in graphs.items() if key in per_round}
+            graphs = {f"{type(r).__name__}{key}": st for r in runners for key, st in replays(r).items()}
+            row["graphs"] = {key: graph_ms(st) for key, st in graphs.items() if key in per_round}
             row["replays_per_round"] = per_round
             row["graphs_ms_per_round"] = sum(row["graphs"][key] * n for key, n in per_round.items())
         rows[k] = row

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import eaglewire.decode as decode
+import eaglewire.runners as runners
 from eaglewire.acceptance import SamplingParams, logits_to_probs
 from eaglewire.compiled import CompileError
 from eaglewire.errors import UsageError
@@ -139,13 +140,10 @@ def test_fake_cuda_graphs_replay_static_buffers(llama, seqs, drafts, monkeypatch
     assert captured.count("TargetRunner") == 9
 
 
-def test_a_greedy_chain_round_launches_little_outside_its_replays(llama, seqs, drafts, monkeypatch):
-    """Between a chain round's replays every tensor op is a kernel launch on CUDA (~5-9 us of host
-    work, GPU idle after the verdict's read-back). Counted on a CPU with static shapes: two replays a
-    round (the draft's extend and chain as one), no output copies (the round uses each graph output
-    before that graph replays again), no chain topology rebuilt, no host-side tensor work to commit a
-    prefix, no sync besides the verdict's one read-back (.tolist(), not an op), and the verify's
-    causal block copied in once."""
+def launch_counter(monkeypatch):
+    """(replays, Ops): with SlotRunner's static functions marked, `with Ops() as ops` records the name
+    of every tensor op run outside a replay (each a kernel launch on CUDA) and `replays` one entry
+    per replay. Patch before the decoder is made."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     inside, replays = [], []
@@ -173,7 +171,19 @@ def test_a_greedy_chain_round_launches_little_outside_its_replays(llama, seqs, d
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(SlotRunner, "_make_static", marked)
+    return replays, Ops
+
+
+def test_a_synced_chain_round_launches_little_outside_its_replays(llama, seqs, drafts, monkeypatch):
+    """A round that reads its verdict back (a greedy chain's first round, or any sampled one): between
+    its replays every tensor op is a kernel launch on CUDA (~5-9 us of host work, GPU idle after the
+    read-back). Counted on a CPU with static shapes: two replays a round (the draft's extend and chain
+    as one), no output copies (the round uses each graph output before that graph replays again), no
+    chain topology rebuilt, no host-side tensor work to commit a prefix, no sync besides the verdict's
+    one read-back (.tolist(), not an op), and the verify's causal block copied in once."""
+    replays, Ops = launch_counter(monkeypatch)
     dec = decode.SpecDecoder(llama, *drafts["random"], static_shapes=True, **CHAIN)
+    dec.chain_rounds = None  # every round synced
     p = prompts(seqs)[2]
     rounds, step = [], dec._step
 
@@ -198,6 +208,62 @@ def test_a_greedy_chain_round_launches_little_outside_its_replays(llama, seqs, d
         # the verify's ids (its causal block never again); positions are written in place, and the
         # fills are the extend's `at` and last row, the verify's `at`
         assert names.count("copy_") <= 4 and names.count("arange") == 2 and names.count("fill_") == 3, names
+
+
+@pytest.mark.parametrize("ahead", [1, 4])
+def test_chain_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts, monkeypatch, ahead):
+    """Greedy chains on static shapes run ChainRounds after their first round: the accepted count stays
+    on the device, a round is three replays (the draft's extend and chain, the verify, the verdict) and,
+    outside them, the target's argmax and the taps' copy; `ahead` rounds go by between read-backs. The
+    same tokens and the same acceptance, round by round, as rounds that read each verdict back (fp32),
+    with EOS and the token limit cutting rounds computed past them."""
+    replays, Ops = launch_counter(monkeypatch)
+    monkeypatch.setattr(runners, "CACHE_ROUNDING", 64)  # so that a longer generation grows the caches
+    monkeypatch.setattr(runners.TargetRunner, "prefill_chunk", 32)
+    fast = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **CHAIN)
+    synced = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **CHAIN)
+    synced.chain_rounds = None
+    fast.rounds_ahead = ahead
+    reads, run = [], fast.chain_rounds.run
+
+    def counted(count):
+        replays.clear()
+        with Ops() as ops:
+            out = run(count)
+        reads.append((count, len(replays), ops.names))
+        return out
+
+    monkeypatch.setattr(fast.chain_rounds, "run", counted)
+    kept = 0
+    for p in prompts(seqs)[:4]:
+        ref = synced.generate(p, 30)
+        kept += sum(ref.accepted_per_step)
+        assert ref.tokens == reference_greedy(llama.model, p, 30), p
+        got = fast.generate(p, 30)
+        assert got.tokens == ref.tokens and got.accepted_per_step == ref.accepted_per_step, p
+        eos = ref.tokens[len(ref.tokens) // 2]
+        cut = synced.generate(p, 30, eos_ids=[eos])
+        got = fast.generate(p, 30, eos_ids=[eos])
+        assert got.tokens == cut.tokens and got.stop == "eos" and got.accepted_per_step == cut.accepted_per_step
+    assert kept > 0  # the draft proposes tokens the target keeps
+    long = fast.generate(p, 220)  # a larger cache: every runner's static functions made anew (new graphs on CUDA)
+    assert long.tokens == synced.generate(p, 220).tokens == reference_greedy(llama.model, p, 220)
+    rows, cr = fast.spec.K + 1, fast.chain_rounds
+    assert cr.draft_st is fast.drafter._static[("rounds", rows, rows - 2)] and cr.verdict["tokens"].shape[0] > 64
+    assert cr.verify_st is fast.verifier._static[(rows, ("ids",))]
+    assert len(reads) > 8 and all(count == ahead for count, _, _ in reads)
+    for count, replayed, names in reads[1:]:  # (the first made the rounds' static functions)
+        assert replayed == 3 * count, names
+        launched = [n for n in names if n not in ("select", "slice")]  # views: no kernel
+        assert sorted(launched) == ["argmax"] * count + ["copy_"] * count, names
+    # each is a CUDA graph on a GPU: no host read-back inside (make_fx refuses _local_scalar_dense)
+    from torch.fx.experimental.proxy_tensor import make_fx
+    rounds = fast.chain_rounds
+    for fn, buffers, args in ((rounds._draft_round, rounds.extend, (fast.spec.K - 1,)),
+                              (rounds._verdict, rounds.verdict, ())):
+        keys = sorted(buffers)
+        with torch.no_grad():
+            make_fx(lambda *v: fn(dict(zip(keys, v)), *args))(*[buffers[k].clone() for k in keys])
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])

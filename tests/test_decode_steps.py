@@ -12,8 +12,8 @@ from decode_steps import replays_per_round  # noqa: E402
 
 
 def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, monkeypatch):
-    """A greedy chain round replays the draft's extend-and-chain (one graph per extend size) and the
-    verify; a tree round the draft's extend, its one-replay tree, the verify and, when a branch is
+    """A greedy chain round replays the draft's extend-and-chain and the verify (and after the first
+    round, ChainRounds' verdict); a tree round the draft's extend, its one-replay tree, the verify and, when a branch is
     kept, the move. The target's prefill chunks are not a round's work. A broken count (e.g. the
     prefill counted, or a graph left out) would make the benchmark's host time wrong."""
     monkeypatch.setattr(SlotRunner, "_capture", fake_capture)
@@ -28,8 +28,12 @@ def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, 
         verify = {k: v for k, v in per_round.items() if k.startswith("TargetRunner(")}
         assert verify == {f"TargetRunner{(dec.verifier.sizes[0], ('ids',))}": 1.0}, per_round
         draft = [k for k in per_round if k.startswith("DraftRunner")]
-        if shape is CHAIN:  # the 4-token prompt's first extend fits a graph too: every round is one replay
-            assert all("extend_chain" in k for k in draft) and sum(per_round[k] for k in draft) == 1.0, per_round
+        if shape is CHAIN:  # the first round's extend-and-chain (the prompt's), then ChainRounds: its
+            # extend-and-chain and its verdict, a replay each a round
+            rows = dec.spec.K + 1
+            rounds, verdict = f"DraftRunner{('rounds', rows, dec.spec.K - 1)}", f"DraftRunner{('verdict', rows)}"
+            assert sum(per_round[k] for k in draft if k != verdict) == 1.0, per_round
+            assert per_round[rounds] == per_round[verdict] > 0.5, per_round
         else:
             extends = sum(per_round[k] for k in draft if "'ids'" in k)
             tree = f"DraftRunner{('tree', TREE['depth'], TREE['topk'], TREE['budget'])}"

@@ -11,6 +11,9 @@ One round (`_step`), after a prefill that ran the target over the prompt and cho
      (greedy: exact; sampling: lossless);
   4. commit the accepted path in both KV caches (runners.py: slot caches, nothing to roll back).
 
+A greedy chain on static shapes keeps the verdict on the device after its first round and reads
+several rounds back at once (chain_rounds.py): the GPU never waits for the host between rounds.
+
 `generate_plain` (and `generate` without a draft) runs the same engine one target step per token:
 the baseline speculation is measured against.
 """
@@ -27,6 +30,7 @@ from . import attention, projections
 from . import prepack as packing
 from .acceptance import (SamplingParams, logits_to_probs, verify_chain_greedy, verify_chain_sampling,
                          verify_tree_greedy, verify_tree_sampling)
+from .chain_rounds import ROUNDS_AHEAD, ChainRounds
 from .draft import grouped_copy
 from .errors import UsageError
 from .runners import DraftRunner, TargetRunner
@@ -189,6 +193,10 @@ class SpecDecoder:
         else:  # extends of up to depth+1 rows, then frontiers of topk
             sizes, pending = (s.topk, s.depth + 1), (s.depth - 1) * s.topk
         self.drafter = DraftRunner(engine_draft, sizes=sizes, max_pending=pending, **graphs)
+        # greedy chains on static shapes go on without waiting for the host (chain_rounds.py)
+        self.chain_rounds = ChainRounds(self.drafter, self.verifier, s.K) \
+            if s.mode == "chain" and self.drafter.static else None
+        self.rounds_ahead = ROUNDS_AHEAD if p.device.type == "cuda" else 1
 
     # -- entry points ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -199,18 +207,33 @@ class SpecDecoder:
         if self.draft is None:
             return self.generate_plain(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
         ids, gen, out = self._start(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
+        ahead = ChainRounds.headroom(self.spec.K, self.rounds_ahead) if self.chain_rounds else 0
         for run in (self.verifier, self.drafter):
-            run.reset(len(ids) + max_new_tokens)
+            run.reset(len(ids) + max_new_tokens + ahead)
         logits, taps = self.verifier.prefill(ids)
         tok = self._choose(logits, sampling, gen)
         out.add([int(tok)])
         feed = (taps, torch.cat([ids[1:], tok.view(1)]))  # taps[t] goes with token t+1
-        accepted = []
-        while not out.done:
-            path, tokens, feed = self._step(feed, sampling, gen)
-            accepted.append(len(path))
+        accepted, rounds = [], self._rounds(feed, sampling, gen)
+        while not out.done:  # rounds queued past the end are dropped
+            n, tokens = next(rounds)
+            accepted.append(n)
             out.add(tokens)
         return out.result(accepted, self.spec.levels)
+
+    def _rounds(self, feed, sampling: SamplingParams, gen):
+        """(accepted draft tokens, committed tokens) of each round, for as long as asked. After the first
+        round (its extend carries the whole prompt), greedy chains on static shapes run ChainRounds:
+        `rounds_ahead` rounds queued, then read back together."""
+        path, tokens, feed = self._step(feed, sampling, gen)
+        yield len(path), tokens
+        if self.chain_rounds is not None and sampling.greedy:
+            self.chain_rounds.start(feed)
+            while True:
+                yield from self.chain_rounds.run(self.rounds_ahead)
+        while True:
+            path, tokens, feed = self._step(feed, sampling, gen)
+            yield len(path), tokens
 
     @torch.no_grad()
     def generate_plain(self, input_ids, max_new_tokens: int, sampling: SamplingParams = GREEDY, eos_ids=(),
