@@ -31,6 +31,8 @@ class ChainRounds:
     def __init__(self, drafter: DraftRunner, verifier: TargetRunner, K: int):
         self.drafter, self.verifier, self.K = drafter, verifier, K
         self.rows = K + 1
+        # the static functions' keys in the runners: the draft's round, the verify, the verdict
+        self.keys = (("rounds", self.rows, K - 1), (self.rows, ("ids",)), ("verdict", self.rows))
         self.draft_st = self.verify_st = self.verdict_st = None
 
     @staticmethod
@@ -44,9 +46,8 @@ class ChainRounds:
         d, v, rows = self.drafter, self.verifier, self.rows
         taps, ids = feed
         assert d.pending == 0 and v.pending == 0 and len(ids) <= rows
-        made = (self.draft_st, self.verify_st, self.verdict_st)
-        if made != (d._static.get(("rounds", rows, self.K - 1)), v._static.get((rows, ("ids",))),
-                    d._static.get(("verdict", rows))):  # never made, or a reset that grew the caches cleared them
+        current = (d._static.get(self.keys[0]), v._static.get(self.keys[1]), d._static.get(self.keys[2]))
+        if (self.draft_st, self.verify_st, self.verdict_st) != current:  # never made, or a reset grew the caches
             self._make(taps)
         n = len(ids) - 1
         self.extend["ids"][0, :n + 1].copy_(ids)
@@ -57,30 +58,30 @@ class ChainRounds:
             buffers["at"].fill_(runner.length)
         self.verdict["round"].zero_()
         self.rounds = 0
-        self.start_len = (d.length, v.length)
 
     def _make(self, taps: torch.Tensor) -> None:
         """The three static functions, made (and on CUDA captured) once; their buffers are shared."""
         d, v, rows, dev = self.drafter, self.verifier, self.rows, self.verifier.device
+        draft_key, _, verdict_key = self.keys
         self.verify_st = v._static_size(rows, {"ids": torch.zeros(rows, dtype=torch.long, device=dev)})
         self.verify = self.verify_st.inputs
         self.verify["block"].copy_(v._block(None, rows, rows, v.max_pending))  # causal: the chain
-        self.verify["at"].fill_(v.length)  # a capture's writes land past what is committed
-        key = ("rounds", rows, self.K - 1)
+        # the captures below write from each runner's length on: slots nothing committed is in
+        self.verify["at"].fill_(v.length)
         extend = d._static_inputs(rows, {"ids": torch.zeros(rows, dtype=torch.long), "taps": taps[:1]}, scratch=0)
         extend["block"].copy_(d._block(None, rows, rows, d.max_pending))
         extend["at"].fill_(d.length)
         extend.update(last=torch.zeros(1, dtype=torch.long, device=dev), verify_ids=self.verify["ids"])
-        d._static_function(key, self._draft_round, extend, self.K - 1)
-        self.draft_st, self.extend = d._static[key], extend
+        d._static_function(draft_key, self._draft_round, extend, self.K - 1)
+        self.draft_st, self.extend = d._static[draft_key], extend
         s = v.book.max_len
         verdict = {"best": torch.zeros(rows, dtype=torch.long, device=dev), "verify_ids": self.verify["ids"],
                    "verify_pos": self.verify["pos"], "verify_at": self.verify["at"], "draft_ids": extend["ids"],
                    "last": extend["last"], "tokens": torch.zeros(s + 1, dtype=torch.long, device=dev),
                    "accepted": torch.zeros(s, dtype=torch.long, device=dev),
                    "round": torch.zeros(1, dtype=torch.long, device=dev)}
-        d._static_function(("verdict", rows), self._verdict, verdict)
-        self.verdict_st, self.verdict = d._static[("verdict", rows)], verdict
+        d._static_function(verdict_key, self._verdict, verdict)
+        self.verdict_st, self.verdict = d._static[verdict_key], verdict
 
     def _draft_round(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
         """The extend of K+1 rows and the greedy chain from row `last` (DraftRunner._extend_chain), then
