@@ -108,10 +108,11 @@ def replays_per_round(runners, run) -> tuple[dict[str, float], object]:
 CHOICES = {"target": (True, False), "none": (False, False), "all": (True, True)}  # autotune (target's, draft's)
 
 
-ATTENTION = {"grouped": True, "sdpa": False}  # SpecDecoder(grouped_attention=...)
+ATTENTION = {"default": None, "grouped": True, "sdpa": False}  # SpecDecoder(grouped_attention=...)
+ROUNDS = ("on", "off")  # greedy chains: ChainRounds (as shipped), or every round read back
 
 
-def warmed(make, choice: str, attn: str, ids: torch.Tensor, new: int, plain: bool) -> SpecDecoder:
+def warmed(make, choice: str, attn: str, rounds: str, ids: torch.Tensor, new: int, plain: bool) -> SpecDecoder:
     """A decoder built and warmed up (every size this prompt meets compiled and captured) under one
     autotuning choice (runners bind it when they create their compiled functions, during the warm-up)
     and one attention."""
@@ -119,6 +120,8 @@ def warmed(make, choice: str, attn: str, ids: torch.Tensor, new: int, plain: boo
     TargetRunner.autotune, DraftRunner.autotune = CHOICES[choice]
     try:
         dec = make(grouped_attention=ATTENTION[attn])
+        if rounds == "off":
+            dec.chain_rounds = None
         (dec.generate_plain if plain else dec.generate)(ids, new)
     finally:
         TargetRunner.autotune, DraftRunner.autotune = shipped
@@ -168,10 +171,13 @@ def main(argv=None) -> int:
     p.add_argument("--autotune", default="target", metavar="CHOICES",
                    help="whose compiled single-row forwards autotune their matmuls on CUDA: target (as the decoder "
                    "ships), none, all; a comma-separated list times each choice in turn, in this process")
-    p.add_argument("--attention", default="sdpa", metavar="CHOICES",
-                   help="the target's attention: sdpa (transformers' own, K/V repeated per query head; as the "
-                   "decoder ships) or grouped (K/V heads read in place, attention.py); a comma-separated list "
-                   "times each in turn")
+    p.add_argument("--attention", default="default", metavar="CHOICES",
+                   help="the target's and draft's attention: default (as the decoder ships: grouped on CUDA), sdpa "
+                   "(transformers' own, K/V repeated per query head) or grouped (K/V heads read in place, "
+                   "attention.py); a comma-separated list times each in turn")
+    p.add_argument("--chain-rounds", default="on", metavar="CHOICES",
+                   help="greedy chains: on (as shipped: rounds that never wait for the host, chain_rounds.py) or off "
+                   "(every verdict read back); on,off times both in turn")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
@@ -182,7 +188,10 @@ def main(argv=None) -> int:
     attns = a.attention.split(",")
     if not set(attns) <= set(ATTENTION):
         p.error(f"--attention {a.attention}: choose from {', '.join(ATTENTION)}")
-    arms = [(c, at) for c in choices for at in attns]
+    rounds = a.chain_rounds.split(",")
+    if not set(rounds) <= set(ROUNDS):
+        p.error(f"--chain-rounds {a.chain_rounds}: choose from {', '.join(ROUNDS)}")
+    arms = [(c, at, r) for c in choices for at in attns for r in rounds]
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t = targets.load_target(a.target, device=device)
     dtype = next(t.model.parameters()).dtype
@@ -202,7 +211,8 @@ def main(argv=None) -> int:
         def make(shape=shape, **kw):
             return SpecDecoder(t, None if shape is None else draft, None if shape is None else meta, **(shape or {}),
                                **common, **kw)
-        decs = {f"{c}/{at}": warmed(make, c, at, ids, a.new, plain=shape is None) for c, at in arms}
+        decs = {"/".join((c, at) + ((f"rounds {r}",) if len(rounds) > 1 else ())):
+                warmed(make, c, at, r, ids, a.new, plain=shape is None) for c, at, r in arms}
         for arm, row in measure(decs, ids, a.new, a.repeats, plain=shape is None).items():
             rows[name if len(arms) == 1 else f"{name} [{arm}]"] = row
         dec = next(iter(decs.values()))
