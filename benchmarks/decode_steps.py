@@ -45,7 +45,7 @@ def random_draft(target, out: Path):
 def graph_ms(st, iters: int = 50) -> float:
     """GPU milliseconds of one replay of a static function's graph (CUDA events around each replay).
     Its input buffers are put back after every replay: some graphs move their own positions on (the
-    greedy plain step, ChainRounds' rounds), and unchecked they would write past the cache."""
+    greedy plain step, rounds.py's rounds), and unchecked they would write past the cache."""
     saved = {k: t.clone() for k, t in st.inputs.items()}
     total = 0.0
     for i in range(iters + 1):  # the first replay warms up
@@ -109,7 +109,7 @@ CHOICES = {"target": (True, False), "none": (False, False), "all": (True, True)}
 
 
 ATTENTION = {"default": None, "grouped": True, "sdpa": False}  # SpecDecoder(grouped_attention=...)
-ROUNDS = ("on", "off")  # greedy chains: ChainRounds (as shipped), or every round read back
+ROUNDS = ("on", "off")  # greedy speculation: rounds.py's rounds (as shipped), or every round read back
 
 
 def warmed(make, choice: str, attn: str, rounds: str, ids: torch.Tensor, new: int, plain: bool) -> SpecDecoder:
@@ -121,7 +121,7 @@ def warmed(make, choice: str, attn: str, rounds: str, ids: torch.Tensor, new: in
     try:
         dec = make(grouped_attention=ATTENTION[attn])
         if rounds == "off":
-            dec.chain_rounds = None
+            dec.rounds = None
         (dec.generate_plain if plain else dec.generate)(ids, new)
     finally:
         TargetRunner.autotune, DraftRunner.autotune = shipped
@@ -175,9 +175,9 @@ def main(argv=None) -> int:
                    help="the target's and draft's attention: default (as the decoder ships: grouped on CUDA), sdpa "
                    "(transformers' own, K/V repeated per query head) or grouped (K/V heads read in place, "
                    "attention.py); a comma-separated list times each in turn")
-    p.add_argument("--chain-rounds", default="on", metavar="CHOICES",
-                   help="greedy chains: on (as shipped: rounds that never wait for the host, chain_rounds.py) or off "
-                   "(every verdict read back); on,off times both in turn")
+    p.add_argument("--rounds", default="on", metavar="CHOICES",
+                   help="greedy chains and trees: on (as shipped: rounds that never wait for the host, rounds.py) "
+                   "or off (every verdict read back); on,off times both in turn")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
@@ -188,9 +188,9 @@ def main(argv=None) -> int:
     attns = a.attention.split(",")
     if not set(attns) <= set(ATTENTION):
         p.error(f"--attention {a.attention}: choose from {', '.join(ATTENTION)}")
-    rounds = a.chain_rounds.split(",")
+    rounds = a.rounds.split(",")
     if not set(rounds) <= set(ROUNDS):
-        p.error(f"--chain-rounds {a.chain_rounds}: choose from {', '.join(ROUNDS)}")
+        p.error(f"--rounds {a.rounds}: choose from {', '.join(ROUNDS)}")
     arms = [(c, at, r) for c in choices for at in attns for r in rounds]
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t = targets.load_target(a.target, device=device)

@@ -134,10 +134,11 @@ def test_fake_cuda_graphs_replay_static_buffers(llama, seqs, drafts, monkeypatch
             assert dec.generate(p, 24).tokens == ref
             assert dec.generate_plain(p, 24).tokens == ref
     # per decoder: one verify graph, one plain graph and a prefill-chunk graph for each of those two
-    # runners; the draft's extends (taps) and steps (hidden); the tree decoder also moves accepted
-    # branches down in one graph (replayed: the tokens above hold)
+    # runners; the draft's extends (taps) and steps (hidden), and rounds.py's; the tree decoder also
+    # moves accepted branches down in one graph for its synced first rounds and one for rounds.py's
+    # (replayed: the tokens above hold)
     assert "move" in dec.verifier._static and captured.count("DraftRunner") >= 4
-    assert captured.count("TargetRunner") == 9
+    assert captured.count("TargetRunner") == 10
 
 
 def launch_counter(monkeypatch):
@@ -183,7 +184,7 @@ def test_a_synced_chain_round_launches_little_outside_its_replays(llama, seqs, d
     one read-back (.tolist(), not an op), and the verify's causal block copied in once."""
     replays, Ops = launch_counter(monkeypatch)
     dec = decode.SpecDecoder(llama, *drafts["random"], static_shapes=True, **CHAIN)
-    dec.chain_rounds = None  # every round synced
+    dec.rounds = None  # every round synced
     p = prompts(seqs)[2]
     rounds, step = [], dec._step
 
@@ -211,20 +212,22 @@ def test_a_synced_chain_round_launches_little_outside_its_replays(llama, seqs, d
 
 
 @pytest.mark.parametrize("ahead", [1, 4])
-def test_chain_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts, monkeypatch, ahead):
-    """Greedy chains on static shapes run ChainRounds after their first round: the accepted count stays
-    on the device, a round is three replays (the draft's extend and chain, the verify, the verdict) and,
-    outside them, the target's argmax and the taps' copy; `ahead` rounds go by between read-backs. The
-    same tokens and the same acceptance, round by round, as rounds that read each verdict back (fp32),
-    with EOS and the token limit cutting rounds computed past them."""
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts, monkeypatch, shape, ahead):
+    """Greedy decoding on static shapes runs rounds.py after its first round: the verdict stays on the
+    device. A chain round is three replays (the draft's extend and chain, the verify, the verdict), a
+    tree round four (and the accepted branch's K/V move); outside them only the target's argmax and
+    the taps' copy or gather; `ahead` rounds go by between read-backs. The same tokens and the same
+    acceptance, round by round, as rounds that read each verdict back (fp32), with EOS and the token
+    limit cutting rounds computed past them."""
     replays, Ops = launch_counter(monkeypatch)
     monkeypatch.setattr(runners, "CACHE_ROUNDING", 64)  # so that a longer generation grows the caches
     monkeypatch.setattr(runners.TargetRunner, "prefill_chunk", 32)
-    fast = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **CHAIN)
-    synced = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **CHAIN)
-    synced.chain_rounds = None
+    fast = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    synced = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    synced.rounds = None
     fast.rounds_ahead = ahead
-    reads, run = [], fast.chain_rounds.run
+    reads, run = [], fast.rounds.run
 
     def counted(count):
         replays.clear()
@@ -233,7 +236,7 @@ def test_chain_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, 
         reads.append((count, len(replays), ops.names))
         return out
 
-    monkeypatch.setattr(fast.chain_rounds, "run", counted)
+    monkeypatch.setattr(fast.rounds, "run", counted)
     kept = 0
     for p in prompts(seqs)[:4]:
         ref = synced.generate(p, 30)
@@ -248,22 +251,42 @@ def test_chain_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, 
     assert kept > 0  # the draft proposes tokens the target keeps
     long = fast.generate(p, 220)  # a larger cache: every runner's static functions made anew (new graphs on CUDA)
     assert long.tokens == synced.generate(p, 220).tokens == reference_greedy(llama.model, p, 220)
-    rows, cr = fast.spec.K + 1, fast.chain_rounds
-    assert cr.draft_st is fast.drafter._static[("rounds", rows, rows - 2)] and cr.verdict["tokens"].shape[0] > 64
-    assert cr.verify_st is fast.verifier._static[(rows, ("ids",))]
+    rounds = fast.rounds
+    assert rounds.statics == rounds._current() and rounds.verdict["tokens"].shape[0] > 64
+    tree = shape is TREE
     assert len(reads) > 8 and all(count == ahead for count, _, _ in reads)
     for count, replayed, names in reads[1:]:  # (the first made the rounds' static functions)
-        assert replayed == 3 * count, names
+        assert replayed == (4 if tree else 3) * count, names
         launched = [n for n in names if n not in ("select", "slice")]  # views: no kernel
-        assert sorted(launched) == ["argmax"] * count + ["copy_"] * count, names
+        assert sorted(launched) == sorted(["argmax", "index_select" if tree else "copy_"] * count), names
+    if tree:  # some rounds kept a branch that is not the first nodes: the move did move
+        assert any(r for r in synced_moves(synced, prompts(seqs)[:4]))
     # each is a CUDA graph on a GPU: no host read-back inside (make_fx refuses _local_scalar_dense)
     from torch.fx.experimental.proxy_tensor import make_fx
-    rounds = fast.chain_rounds
-    for fn, buffers, args in ((rounds._draft_round, rounds.extend, (fast.spec.K - 1,)),
-                              (rounds._verdict, rounds.verdict, ())):
+    args = (fast.spec.depth,) if tree else (fast.spec.K - 1,)
+    for fn, buffers, extra in ((rounds._draft_round, rounds.extend, () if tree else args),
+                               (rounds._verdict, rounds.verdict, args if tree else ())):
         keys = sorted(buffers)
         with torch.no_grad():
-            make_fx(lambda *v: fn(dict(zip(keys, v)), *args))(*[buffers[k].clone() for k in keys])
+            make_fx(lambda *v: fn(dict(zip(keys, v)), *extra))(*[buffers[k].clone() for k in keys])
+
+
+def synced_moves(dec, ps) -> list[bool]:
+    """Whether each synced round of `dec` over prompts `ps` kept a branch other than the first nodes."""
+    moved, commit = [], dec.verifier.commit
+
+    def watched(keep):
+        if not isinstance(keep, int):
+            moved.append(list(keep) != list(range(len(keep))))
+        return commit(keep)
+
+    dec.verifier.commit = watched
+    try:
+        for p in ps:
+            dec.generate(p, 30)
+    finally:
+        del dec.verifier.commit
+    return moved
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])

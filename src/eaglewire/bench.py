@@ -12,7 +12,7 @@ On a CPU in fp32 they run oneDNN-packed linear layers (prepack.py; "+onednn" in 
 `fuse_projections` (on: SpecDecoder's default, targets up to 1B parameters) runs (b) and (c) with
 q/k/v and gate/up as one matmul each ("+fused"; projections.py). `grouped_attention` (None: SpecDecoder's
 default, on for CUDA) runs a target whose query heads share K/V heads through attention.py ("+grouped").
-A greedy chain on static shapes runs rounds that never wait for the host ("+rounds"; chain_rounds.py).
+Greedy speculation on static shapes runs rounds that never wait for the host ("+rounds"; rounds.py).
 
 Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
 `completion_tokens / spec_verify_ct`, vLLM `1 + accepted / drafts`). Acceptance rate at draft
@@ -205,7 +205,7 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     name = "eaglewire-" + ("base" if not speculate else
                            f"chain-K{cfg.chain}" if cfg.mode == "chain"
                            else f"tree-d{cfg.depth}-k{cfg.topk}-b{cfg.budget}")
-    rounds = speculate and greedy and dec.chain_rounds is not None  # chain rounds that never wait (chain_rounds.py)
+    rounds = speculate and greedy and dec.rounds is not None  # rounds that never wait for the host (rounds.py)
     return name + ("+compile" if cfg.compiles(device) else "") + ("+onednn" if dec.prepack else "") + \
         ("+fused" if dec.fused_projections else "") + ("+grouped" if dec.grouped_attention else "") + \
         ("+rounds" if rounds else ""), run, dec

@@ -11,8 +11,8 @@ One round (`_step`), after a prefill that ran the target over the prompt and cho
      (greedy: exact; sampling: lossless);
   4. commit the accepted path in both KV caches (runners.py: slot caches, nothing to roll back).
 
-A greedy chain on static shapes keeps the verdict on the device after its first round and reads
-several rounds back at once (chain_rounds.py): the GPU never waits for the host between rounds.
+Greedy decoding on static shapes keeps the verdict on the device after its first round and reads
+several rounds back at once (rounds.py): the GPU never waits for the host between rounds.
 
 `generate_plain` (and `generate` without a draft) runs the same engine one target step per token:
 the baseline speculation is measured against.
@@ -30,7 +30,7 @@ from . import attention, projections
 from . import prepack as packing
 from .acceptance import (SamplingParams, logits_to_probs, verify_chain_greedy, verify_chain_sampling,
                          verify_tree_greedy, verify_tree_sampling)
-from .chain_rounds import ROUNDS_AHEAD, ChainRounds
+from .rounds import ROUNDS_AHEAD, ChainRounds, TreeRounds
 from .draft import grouped_copy
 from .errors import UsageError
 from .runners import DraftRunner, TargetRunner
@@ -193,9 +193,9 @@ class SpecDecoder:
         else:  # extends of up to depth+1 rows, then frontiers of topk
             sizes, pending = (s.topk, s.depth + 1), (s.depth - 1) * s.topk
         self.drafter = DraftRunner(engine_draft, sizes=sizes, max_pending=pending, **graphs)
-        # greedy chains on static shapes go on without waiting for the host (chain_rounds.py)
-        self.chain_rounds = ChainRounds(self.drafter, self.verifier, s.K) \
-            if s.mode == "chain" and self.drafter.static else None
+        # greedy rounds on static shapes go on without waiting for the host (rounds.py)
+        self.rounds = None if not self.drafter.static else ChainRounds(self.drafter, self.verifier, s.K) \
+            if s.mode == "chain" else TreeRounds(self.drafter, self.verifier, s.depth, s.topk, s.budget)
         self.rounds_ahead = ROUNDS_AHEAD if p.device.type == "cuda" else 1
 
     # -- entry points ------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ class SpecDecoder:
         if self.draft is None:
             return self.generate_plain(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
         ids, gen, out = self._start(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
-        ahead = ChainRounds.headroom(self.spec.K, self.rounds_ahead) if self.chain_rounds else 0
+        ahead = self.rounds.headroom(self.rounds_ahead) if self.rounds else 0
         for run in (self.verifier, self.drafter):
             run.reset(len(ids) + max_new_tokens + ahead)
         logits, taps = self.verifier.prefill(ids)
@@ -223,14 +223,14 @@ class SpecDecoder:
 
     def _rounds(self, feed, sampling: SamplingParams, gen):
         """(accepted draft tokens, committed tokens) of each round, for as long as asked. After the first
-        round (its extend carries the whole prompt), greedy chains on static shapes run ChainRounds:
-        `rounds_ahead` rounds queued, then read back together."""
+        round (its extend carries the whole prompt), greedy decoding on static shapes runs rounds.py's
+        rounds: `rounds_ahead` rounds queued, then read back together."""
         path, tokens, feed = self._step(feed, sampling, gen)
         yield len(path), tokens
-        if self.chain_rounds is not None and sampling.greedy:
-            self.chain_rounds.start(feed)
+        if self.rounds is not None and sampling.greedy:
+            self.rounds.start(feed)
             while True:
-                yield from self.chain_rounds.run(self.rounds_ahead)
+                yield from self.rounds.run(self.rounds_ahead)
         while True:
             path, tokens, feed = self._step(feed, sampling, gen)
             yield len(path), tokens

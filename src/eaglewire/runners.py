@@ -423,7 +423,7 @@ class TargetRunner(SlotRunner):
         following = feed.pop("next")
         logits, = self._masked_forward(feed, view_len)
         tok = logits[0, -1].argmax().view(1, 1)
-        following.index_copy_(0, feed["pos"][0], tok[0])
+        following.index_copy_(0, feed["pos"][0].clone(), tok[0])  # not a view of pos, mutated below (rounds.py)
         feed["ids"].copy_(tok)
         feed["pos"].add_(1)
         feed["at"].add_(1)

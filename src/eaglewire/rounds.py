@@ -1,0 +1,254 @@
+"""Greedy speculative rounds that never wait for the host (`SpecDecoder`, static shapes: CUDA graphs).
+
+A round that reads its verdict back leaves the GPU idle from that read-back until the next replay
+starts: the host must learn what was accepted before it can feed the next extend (on the H200, 0.29
+of a 2.0 ms chain-7 round and 0.51 of a 3.6 ms tree round were spent outside the replays;
+docs/PERFORMANCE.md). Here the verdict never leaves the device. A round is a few replays over fixed
+buffers, shared between them:
+
+  1. the draft's extend over `rows` rows (the last round's committed tokens and their taps; rows past
+     the accepted count are computed and never used) and its drafting from the last committed row: a
+     greedy chain (ChainRounds) or an EAGLE-2 tree (TreeRounds), written as the verify's input, with
+     the draft's position moved past the kept rows;
+  2. the target's verify (its usual static forward) and, launched by the host, its argmax;
+  3. the verdict: what was accepted, the committed tokens written at their positions, the next
+     extend's inputs, the target's position moved on (a tree also moves the accepted branch's K/V).
+
+The host queues `ahead` rounds, then reads the counts and tokens back in one go. Up to ahead - 1
+rounds past an EOS or the token limit are computed and dropped, so both caches get room for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .runners import DraftRunner, TargetRunner
+
+ROUNDS_AHEAD = 4  # rounds queued between read-backs on CUDA
+
+
+class _Rounds:
+    """What both kinds share: the extend's and the verdict's buffers, taking over, reading back."""
+
+    def __init__(self, drafter: DraftRunner, verifier: TargetRunner, rows: int, keys: tuple):
+        self.drafter, self.verifier, self.rows = drafter, verifier, rows  # rows: the most a round commits
+        self.keys = keys  # the static functions' keys in the runners: the draft's round, the verify, the rest
+        self.statics: tuple | None = None
+
+    def headroom(self, ahead: int) -> int:
+        """Cache rows beyond the token limit that rounds past it may commit."""
+        return ahead * self.rows
+
+    def _current(self) -> tuple:
+        d, v = self.drafter, self.verifier
+        return tuple((v if i == 1 else d)._static.get(k) for i, k in enumerate(self.keys))
+
+    def start(self, feed: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Take over after a synced round: feed = (taps (n+1, nH), next tokens (n+1,)) as `_step` returns
+        it, both runners committed and nothing pending."""
+        d, v, rows = self.drafter, self.verifier, self.rows
+        taps, ids = feed
+        assert d.pending == 0 and v.pending == 0 and len(ids) <= rows
+        if self.statics is None or any(a is not b for a, b in zip(self.statics, self._current())):
+            # never made, or a reset that grew the caches made the runners' static functions anew
+            self._make(taps)
+            self.statics = self._current()
+        n = len(ids) - 1
+        self.extend["ids"][0, :n + 1].copy_(ids)
+        self.extend["taps"][0, :n + 1].copy_(taps)
+        self.extend["last"].fill_(n)
+        for runner, buffers in ((d, self.extend), (v, self.verify)):  # positions from each one's length on
+            torch.arange(runner.length, runner.length + buffers["pos"].shape[1], out=buffers["pos"][0])
+            buffers["at"].fill_(runner.length)
+        self.verdict["round"].zero_()
+        self.rounds = 0
+
+    def _buffers(self, taps: torch.Tensor) -> None:
+        """The verify's static forward (its buffers) and the extend's and verdict's common buffers."""
+        d, v, rows, dev = self.drafter, self.verifier, self.rows, self.verifier.device
+        self.verify_st = v._static_size(v.sizes[0], {"ids": torch.zeros(v.sizes[0], dtype=torch.long, device=dev)})
+        self.verify = self.verify_st.inputs
+        # the captures below write from each runner's length on: slots nothing committed is in
+        self.verify["at"].fill_(v.length)
+        extend = d._static_inputs(rows, {"ids": torch.zeros(rows, dtype=torch.long), "taps": taps[:1]}, scratch=0)
+        extend["block"].copy_(d._block(None, rows, rows, d.max_pending))  # causal
+        extend["at"].fill_(d.length)
+        extend.update(last=torch.zeros(1, dtype=torch.long, device=dev), verify_ids=self.verify["ids"])
+        self.extend = extend
+        s = v.book.max_len
+        self.verdict = {"best": torch.zeros(v.sizes[0], dtype=torch.long, device=dev),
+                        "verify_ids": self.verify["ids"], "verify_at": self.verify["at"], "draft_ids": extend["ids"],
+                        "last": extend["last"], "tokens": torch.zeros(s + 1, dtype=torch.long, device=dev),
+                        "accepted": torch.zeros(s, dtype=torch.long, device=dev),
+                        "round": torch.zeros(1, dtype=torch.long, device=dev)}
+
+    def _static(self, runner, key: tuple, fn, inputs: dict, *args):
+        runner._static_function(key, fn, inputs, *args)
+        return runner._static[key]
+
+    def run(self, count: int) -> list[tuple[int, list[int]]]:
+        """`count` rounds queued without a read-back, then read back: [(accepted draft tokens, committed
+        tokens)] per round. The runners' lengths follow what was committed."""
+        for _ in range(count):
+            self._round()
+        first = self.rounds
+        self.rounds += count
+        accepted = self.verdict["accepted"][first:self.rounds].tolist()  # the read-back
+        v, d = self.verifier, self.drafter
+        start, end = v.length + 1, v.length + 1 + sum(n + 1 for n in accepted)
+        tokens = self.verdict["tokens"][start:end].tolist()
+        out, at = [], 0
+        for n in accepted:
+            out.append((n, tokens[at:at + n + 1]))
+            at += n + 1
+        v.length += at
+        d.length += at
+        return out
+
+
+class ChainRounds(_Rounds):
+    """Greedy chain-of-K rounds: the draft's extend and chain, the verify, the verdict (three replays),
+    and the target's argmax and the taps' copy (two launches)."""
+
+    def __init__(self, drafter: DraftRunner, verifier: TargetRunner, K: int):
+        super().__init__(drafter, verifier, K + 1, (("rounds", K + 1, K - 1), (K + 1, ("ids",)), ("verdict", K + 1)))
+        self.K = K
+
+    def _make(self, taps: torch.Tensor) -> None:
+        d, v, rows = self.drafter, self.verifier, self.rows
+        self._buffers(taps)
+        self.verify["block"].copy_(v._block(None, rows, rows, v.max_pending))  # causal: the chain
+        self.verdict["verify_pos"] = self.verify["pos"]
+        self.draft_st = self._static(d, self.keys[0], self._draft_round, self.extend, self.K - 1)
+        self.verdict_st = self._static(d, self.keys[2], self._verdict, self.verdict)
+
+    def _round(self) -> None:
+        self.draft_st.run()
+        logits, taps = self.verify_st.run()
+        torch.argmax(logits[0], -1, out=self.verdict["best"])
+        self.extend["taps"].copy_(taps)
+        self.verdict_st.run()
+
+    def _draft_round(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
+        """The extend of K+1 rows and the greedy chain from row `last` (DraftRunner._extend_chain), then
+        [root] + draft tokens into the verify's ids and the draft's position moved past the kept rows."""
+        tokens, = self.drafter._extend_chain({k: t for k, t in feed.items() if k != "verify_ids"}, steps)
+        last = feed["last"]
+        feed["verify_ids"][0].copy_(torch.cat([feed["ids"][0].index_select(0, last), tokens]))
+        feed["pos"].add_(last + 1)
+        feed["at"].add_(last + 1)
+        return (tokens,)
+
+    @staticmethod
+    def _verdict(feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        """Accept the longest prefix of the draft tokens equal to the target's argmax (acceptance.py's
+        greedy chain rule); row i's argmax is the token at position pos[i] + 1."""
+        best = feed["best"]
+        n = (feed["verify_ids"][0, 1:] == best[:-1]).long().cumprod(0).sum().view(1)
+        feed["tokens"].index_copy_(0, feed["verify_pos"][0] + 1, best)
+        feed["accepted"].index_copy_(0, feed["round"], n)
+        feed["round"].add_(1)
+        feed["draft_ids"][0].copy_(best)  # the next extend: the accepted tokens and the one after them
+        feed["last"].copy_(n)
+        feed["verify_pos"].add_(n + 1)
+        feed["verify_at"].add_(n + 1)
+        return (n,)
+
+
+class TreeRounds(_Rounds):
+    """Greedy EAGLE-2 tree rounds: the draft's extend and tree, the verify, the verdict, the K/V move of
+    the accepted branch (four replays), and the target's argmax and the taps' gather (two launches)."""
+
+    def __init__(self, drafter: DraftRunner, verifier: TargetRunner, depth: int, topk: int, budget: int):
+        keys = (("tree_rounds", depth, topk, budget), (budget + 1, ("ids",)), ("tree_verdict", depth, budget),
+                ("tree_move", budget + 1))
+        super().__init__(drafter, verifier, depth + 1, keys)
+        self.depth, self.topk, self.budget = depth, topk, budget
+
+    def _make(self, taps: torch.Tensor) -> None:
+        d, v, dev = self.drafter, self.verifier, self.verifier.device
+        self._buffers(taps)
+        width = v.sizes[0]  # the verify's rows: what a move may have to cover
+        self.extend.update(verify_pos=self.verify["pos"], verify_block=self.verify["block"],
+                           verify_at=self.verify["at"], parents=torch.zeros(self.budget, dtype=torch.long, device=dev),
+                           node_depth=torch.zeros(self.budget, dtype=torch.long, device=dev))
+        self.move = {"src": torch.arange(width, device=dev) + v.length, "verify_at": self.verify["at"],
+                     "last": self.extend["last"]}
+        self.verdict.update(parents=self.extend["parents"], node_depth=self.extend["node_depth"],
+                            rows=torch.zeros(self.rows, dtype=torch.long, device=dev), move_src=self.move["src"])
+        self.draft_st = self._static(d, self.keys[0], self._draft_round, self.extend)
+        self.verdict_st = self._static(d, self.keys[2], self._verdict, self.verdict, self.depth)
+        self.move_st = self._static(v, self.keys[3], self._move, self.move, width)
+
+    def _current(self) -> tuple:
+        return super()._current()[:3] + (self.verifier._static.get(self.keys[3]),)
+
+    def _round(self) -> None:
+        self.draft_st.run()
+        logits, taps = self.verify_st.run()
+        torch.argmax(logits[0], -1, out=self.verdict["best"])
+        self.verdict_st.run()
+        torch.index_select(taps[0], 0, self.verdict["rows"], out=self.extend["taps"][0])  # the kept rows' taps
+        self.move_st.run()
+
+    def _draft_round(self, feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        """The extend of depth+1 rows, then the tree from row `last` (DraftRunner._tree), written as the
+        verify's ids, positions and mask; the draft's position moved past the kept rows."""
+        d, s = self.drafter, self.drafter.book.max_len
+        logits, hidden = d._masked_forward({k: feed[k] for k in ("ids", "taps", "pos", "block", "at")}, s)
+        last = feed["last"]
+        root = {"root": logits[0].index_select(0, last)[0], "hidden": hidden[0].index_select(0, last),
+                "pos": feed["pos"][0].index_select(0, last), "at": feed["at"][1:] + last + 1}
+        tokens, parents, depth, _, block, rel = d._tree(root, self.depth, self.topk, self.budget)
+        t, ts = tokens.shape[0] + 1, feed["verify_block"].shape[0]
+        feed["verify_ids"][0, :t].copy_(torch.cat([feed["ids"][0].index_select(0, last), tokens]))
+        feed["verify_pos"][0, :t].copy_(feed["verify_at"][:1] + rel)
+        full = torch.eye(ts, feed["verify_block"].shape[1], dtype=torch.bool, device=block.device)
+        full[:t, :t] = block  # the tree's mask; padding rows see only themselves
+        feed["verify_block"].copy_(full)
+        feed["parents"][:t - 1].copy_(parents)
+        feed["node_depth"][:t - 1].copy_(depth)
+        feed["pos"].add_(last + 1)
+        feed["at"].add_(last + 1)
+        return (tokens,)
+
+    def _move(self, feed: dict[str, torch.Tensor], width: int) -> tuple[torch.Tensor]:
+        """The kept rows' K/V down to the slots after the committed prefix, which the verdict has moved on
+        by last + 1 (the move's destination is worked out here, from what the verdict left: compiled, a
+        destination the verdict copied from the position it then moved on came out moved, torch 2.13)."""
+        dst = feed["verify_at"][:1] - feed["last"] - 1
+        return (self.verifier._move_all({"src": feed["src"], "dst": dst}, width),)
+
+    @staticmethod
+    def _verdict(feed: dict[str, torch.Tensor], depth: int) -> tuple[torch.Tensor]:
+        """acceptance.py's greedy tree rule on the device: a node is accepted when its token is the
+        target's argmax at its parent's row and its parent is accepted; the accepted nodes form one
+        path (siblings hold distinct tokens). Row 0 is the root, row 1 + i node i."""
+        best, parents, node_depth = feed["best"], feed["parents"], feed["node_depth"]
+        n_nodes = parents.shape[0]
+        parent_row = parents + 1
+        ok = feed["verify_ids"][0, 1:n_nodes + 1] == best.index_select(0, parent_row)
+        accepted = ok
+        for _ in range(depth - 1):  # an ancestor's rejection reaches its descendants, a level each pass
+            accepted = ok & torch.cat([ok.new_ones(1), accepted]).index_select(0, parent_row)
+        most = min(depth, n_nodes)  # levels a path can reach
+        levels = torch.arange(1, most + 1, device=best.device)
+        at_level = accepted[None, :] & (node_depth[None, :] == levels[:, None])  # (levels, nodes)
+        kept = at_level.any(1)
+        n = kept.long().sum().view(1)
+        # the kept rows: the root's, then each kept level's node; a level not kept its own row index, so
+        # that the move below copies that slot onto itself
+        rows = torch.cat([levels.new_zeros(1), torch.where(kept, at_level.long().argmax(1) + 1, levels)])
+        committed = best.index_select(0, rows)  # the path's tokens and the one after them
+        v_len = feed["verify_at"][:1]
+        feed["tokens"].index_copy_(0, v_len + 1 + torch.arange(most + 1, device=best.device), committed)
+        feed["accepted"].index_copy_(0, feed["round"], n)
+        feed["round"].add_(1)
+        feed["draft_ids"][0, :most + 1].copy_(committed)  # the next extend
+        feed["rows"][:most + 1].copy_(rows)
+        feed["last"].copy_(n)
+        src = v_len + torch.arange(feed["move_src"].shape[0], device=best.device)  # slots onto themselves ...
+        src[:most + 1] = v_len + rows  # ... but the kept rows', which move down to v_len, v_len + 1, ...
+        feed["move_src"].copy_(src)
+        feed["verify_at"].add_(n + 1)
+        return (n,)
