@@ -178,7 +178,8 @@ class TreeRounds(_Rounds):
                             rows=torch.zeros(self.rows, dtype=torch.long, device=dev), move_src=self.move["src"])
         self.draft_st = self._static(d, self.keys[0], self._draft_round, self.extend)
         self.verdict_st = self._static(d, self.keys[2], self._verdict, self.verdict, self.depth)
-        self.move_st = self._static(v, self.keys[3], self._move, self.move, width)
+        # eager inside its graph, as the synced rounds' move (runners.py): a few index copies, nothing to fuse
+        v._static[self.keys[3]] = self.move_st = v._make_static(self.move, lambda: self._move(self.move, width))
 
     def _current(self) -> tuple:
         return super()._current()[:3] + (self.verifier._static.get(self.keys[3]),)
