@@ -31,13 +31,13 @@ def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, 
         first = 1 / res.num_steps  # the synced first round's share
         verify = f"TargetRunner{(dec.verifier.sizes[0], ('ids',))}"
         assert per_round[verify] == 1.0, per_round
-        draft_round, _, verdict = (f"DraftRunner{k}" for k in dec.rounds.keys[:3])
+        draft_round, _, verdict, *move = (f"{type(r).__name__}{k}" for r, k in dec.rounds.keys)
         assert per_round[draft_round] == per_round[verdict] == pytest.approx(1 - first), per_round
         synced = sum(per_round[k] for k in per_round if k.startswith("DraftRunner") and k not in (draft_round, verdict))
         if shape is CHAIN:  # the first round's extend-and-chain
             assert synced == pytest.approx(first), per_round
         else:  # the first round's extend and tree; the rounds' move every round, the synced one's at most once
             assert synced == pytest.approx(2 * first), per_round
-            assert per_round[f"TargetRunner{dec.rounds.keys[3]}"] == pytest.approx(1 - first), per_round
+            assert per_round[move[0]] == pytest.approx(1 - first), per_round
             assert per_round.get("TargetRunnermove", 0) <= first
         assert "prefill" not in dec.verifier.__dict__  # the wrapper is gone

@@ -30,9 +30,10 @@ ROUNDS_AHEAD = 4  # rounds queued between read-backs on CUDA
 class _Rounds:
     """What both kinds share: the extend's and the verdict's buffers, taking over, reading back."""
 
-    def __init__(self, drafter: DraftRunner, verifier: TargetRunner, rows: int, keys: tuple):
+    def __init__(self, drafter: DraftRunner, verifier: TargetRunner, rows: int, *keys: tuple):
         self.drafter, self.verifier, self.rows = drafter, verifier, rows  # rows: the most a round commits
-        self.keys = keys  # the static functions' keys in the runners: the draft's round, the verify, the rest
+        # (runner, key) of each static function a round replays: the draft's round, the verify, the verdict ...
+        self.keys = ((drafter, keys[0]), (verifier, keys[1]), (drafter, keys[2]), *((verifier, k) for k in keys[3:]))
         self.statics: tuple | None = None
 
     def headroom(self, ahead: int) -> int:
@@ -40,8 +41,7 @@ class _Rounds:
         return ahead * self.rows
 
     def _current(self) -> tuple:
-        d, v = self.drafter, self.verifier
-        return tuple((v if i == 1 else d)._static.get(k) for i, k in enumerate(self.keys))
+        return tuple(runner._static.get(key) for runner, key in self.keys)
 
     def start(self, feed: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Take over after a synced round: feed = (taps (n+1, nH), next tokens (n+1,)) as `_step` returns
@@ -82,7 +82,8 @@ class _Rounds:
                         "accepted": torch.zeros(s, dtype=torch.long, device=dev),
                         "round": torch.zeros(1, dtype=torch.long, device=dev)}
 
-    def _static(self, runner, key: tuple, fn, inputs: dict, *args):
+    @staticmethod
+    def _static(runner, key: tuple, fn, inputs: dict, *args):
         runner._static_function(key, fn, inputs, *args)
         return runner._static[key]
 
@@ -111,16 +112,16 @@ class ChainRounds(_Rounds):
     and the target's argmax and the taps' copy (two launches)."""
 
     def __init__(self, drafter: DraftRunner, verifier: TargetRunner, K: int):
-        super().__init__(drafter, verifier, K + 1, (("rounds", K + 1, K - 1), (K + 1, ("ids",)), ("verdict", K + 1)))
+        super().__init__(drafter, verifier, K + 1, ("rounds", K + 1, K - 1), (K + 1, ("ids",)), ("verdict", K + 1))
         self.K = K
 
     def _make(self, taps: torch.Tensor) -> None:
-        d, v, rows = self.drafter, self.verifier, self.rows
+        v, rows = self.verifier, self.rows
         self._buffers(taps)
         self.verify["block"].copy_(v._block(None, rows, rows, v.max_pending))  # causal: the chain
         self.verdict["verify_pos"] = self.verify["pos"]
-        self.draft_st = self._static(d, self.keys[0], self._draft_round, self.extend, self.K - 1)
-        self.verdict_st = self._static(d, self.keys[2], self._verdict, self.verdict)
+        self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend, self.K - 1)
+        self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict)
 
     def _round(self) -> None:
         self.draft_st.run()
@@ -160,13 +161,12 @@ class TreeRounds(_Rounds):
     the accepted branch (four replays), and the target's argmax and the taps' gather (two launches)."""
 
     def __init__(self, drafter: DraftRunner, verifier: TargetRunner, depth: int, topk: int, budget: int):
-        keys = (("tree_rounds", depth, topk, budget), (budget + 1, ("ids",)), ("tree_verdict", depth, budget),
-                ("tree_move", budget + 1))
-        super().__init__(drafter, verifier, depth + 1, keys)
+        super().__init__(drafter, verifier, depth + 1, ("tree_rounds", depth, topk, budget), (budget + 1, ("ids",)),
+                         ("tree_verdict", depth, budget), ("tree_move", budget + 1))
         self.depth, self.topk, self.budget = depth, topk, budget
 
     def _make(self, taps: torch.Tensor) -> None:
-        d, v, dev = self.drafter, self.verifier, self.verifier.device
+        v, dev = self.verifier, self.verifier.device
         self._buffers(taps)
         width = v.sizes[0]  # the verify's rows: what a move may have to cover
         self.extend.update(verify_pos=self.verify["pos"], verify_block=self.verify["block"],
@@ -176,13 +176,10 @@ class TreeRounds(_Rounds):
                      "last": self.extend["last"]}
         self.verdict.update(parents=self.extend["parents"], node_depth=self.extend["node_depth"],
                             rows=torch.zeros(self.rows, dtype=torch.long, device=dev), move_src=self.move["src"])
-        self.draft_st = self._static(d, self.keys[0], self._draft_round, self.extend)
-        self.verdict_st = self._static(d, self.keys[2], self._verdict, self.verdict, self.depth)
+        self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend)
+        self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict, self.depth)
         # eager inside its graph, as the synced rounds' move (runners.py): a few index copies, nothing to fuse
-        v._static[self.keys[3]] = self.move_st = v._make_static(self.move, lambda: self._move(self.move, width))
-
-    def _current(self) -> tuple:
-        return super()._current()[:3] + (self.verifier._static.get(self.keys[3]),)
+        v._static[self.keys[3][1]] = self.move_st = v._make_static(self.move, lambda: self._move(self.move, width))
 
     def _round(self) -> None:
         self.draft_st.run()
