@@ -214,23 +214,25 @@ class SpecDecoder:
         tok = self._choose(logits, sampling, gen)
         out.add([int(tok)])
         feed = (taps, torch.cat([ids[1:], tok.view(1)]))  # taps[t] goes with token t+1
-        accepted, rounds = [], self._rounds(feed, sampling, gen)
+        accepted, rounds = [], self._rounds(feed, sampling, gen, out)
         while not out.done:  # rounds queued past the end are dropped
             n, tokens = next(rounds)
             accepted.append(n)
             out.add(tokens)
         return out.result(accepted, self.spec.levels)
 
-    def _rounds(self, feed, sampling: SamplingParams, gen):
+    def _rounds(self, feed, sampling: SamplingParams, gen, out: "_Output"):
         """(accepted draft tokens, committed tokens) of each round, for as long as asked. After the first
         round (its extend carries the whole prompt), greedy decoding on static shapes runs rounds.py's
-        rounds: `rounds_ahead` rounds queued, then read back together."""
+        rounds: up to `rounds_ahead` queued, then read back together; never more than could all be
+        needed before the token limit (each commits at most `rows` tokens), so only an EOS wastes any."""
         path, tokens, feed = self._step(feed, sampling, gen)
         yield len(path), tokens
         if self.rounds is not None and sampling.greedy:
             self.rounds.start(feed)
             while True:
-                yield from self.rounds.run(self.rounds_ahead)
+                left = out.max_new - len(out.tokens)
+                yield from self.rounds.run(max(1, min(self.rounds_ahead, left // self.rounds.rows)))
         while True:
             path, tokens, feed = self._step(feed, sampling, gen)
             yield len(path), tokens
