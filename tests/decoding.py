@@ -1,11 +1,13 @@
 """Shared helpers of the decoding tests: a tiny target, drafts for it, greedy references, a CPU
-stand-in for CUDA graph capture. Their fixtures (llama, seqs, drafts) are in conftest.py."""
+stand-in for CUDA graph capture, a count of the launches outside replays. Their fixtures (llama,
+seqs, drafts) are in conftest.py."""
 
 import torch
 
 from eaglewire.capture import capture
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.runners import SlotRunner
 from eaglewire.targets import Target, fingerprint
 from eaglewire.taps import TapContract
 from eaglewire.vocab import target_to_draft_ids
@@ -81,3 +83,37 @@ def fake_capture(self, fn, captured: list | None = None):
         for o, new in zip(out, fn()):
             o.copy_(new)
     return replay, out
+
+
+def launch_counter(monkeypatch):
+    """(replays, Ops): with SlotRunner's static functions marked, `with Ops() as ops` records the name
+    of every tensor op run outside a replay (each a kernel launch on CUDA) and `replays` one entry
+    per replay. Patch before the decoder is made."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    inside, replays = [], []
+    make = SlotRunner._make_static
+
+    def marked(self, inputs, fn):
+        def run():
+            if not inside:
+                replays.append(1)
+            inside.append(1)
+            try:
+                return fn()
+            finally:
+                inside.pop()
+        return make(self, inputs, run)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside:
+                self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(SlotRunner, "_make_static", marked)
+    return replays, Ops

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 import eaglewire.decode as decode
-import eaglewire.runners as runners
 from eaglewire.acceptance import SamplingParams, logits_to_probs
 from eaglewire.compiled import CompileError
 from eaglewire.errors import UsageError
-from eaglewire.runners import SlotRunner, TargetRunner
+from eaglewire.runners import SlotRunner
 from eaglewire.taps import TapContract
-from decoding import (CHAIN, CONTRACT, TREE, as_target, fake_capture, fit, new_draft, prompts,
-                      reference_greedy, save_load)
+from decoding import (CHAIN, CONTRACT, TREE, as_target, fake_capture, fit, launch_counter, new_draft,
+                      prompts, reference_greedy, save_load)
 from tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -141,40 +140,6 @@ def test_fake_cuda_graphs_replay_static_buffers(llama, seqs, drafts, monkeypatch
     assert captured.count("TargetRunner") == 10
 
 
-def launch_counter(monkeypatch):
-    """(replays, Ops): with SlotRunner's static functions marked, `with Ops() as ops` records the name
-    of every tensor op run outside a replay (each a kernel launch on CUDA) and `replays` one entry
-    per replay. Patch before the decoder is made."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    inside, replays = [], []
-    make = SlotRunner._make_static
-
-    def marked(self, inputs, fn):
-        def run():
-            if not inside:
-                replays.append(1)
-            inside.append(1)
-            try:
-                return fn()
-            finally:
-                inside.pop()
-        return make(self, inputs, run)
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside:
-                self.names.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
-    monkeypatch.setattr(SlotRunner, "_make_static", marked)
-    return replays, Ops
-
-
 def test_a_synced_chain_round_launches_little_outside_its_replays(llama, seqs, drafts, monkeypatch):
     """A round that reads its verdict back (a greedy chain's first round, or any sampled one): between
     its replays every tensor op is a kernel launch on CUDA (~5-9 us of host work, GPU idle after the
@@ -209,92 +174,6 @@ def test_a_synced_chain_round_launches_little_outside_its_replays(llama, seqs, d
         # the verify's ids (its causal block never again); positions are written in place, and the
         # fills are the extend's `at` and last row, the verify's `at`
         assert names.count("copy_") <= 4 and names.count("arange") == 2 and names.count("fill_") == 3, names
-
-
-@pytest.mark.parametrize("ahead", [1, 4])
-@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts, monkeypatch, shape, ahead):
-    """Greedy decoding on static shapes runs rounds.py after its first round: the verdict stays on the
-    device. A chain round is three replays (the draft's extend and chain, the verify, the verdict), a
-    tree round four (and the accepted branch's K/V move); outside them only the target's argmax and
-    the taps' copy or gather; `ahead` rounds go by between read-backs. The same tokens and the same
-    acceptance, round by round, as rounds that read each verdict back (fp32), with EOS and the token
-    limit cutting rounds computed past them."""
-    replays, Ops = launch_counter(monkeypatch)
-    monkeypatch.setattr(runners, "CACHE_ROUNDING", 64)  # so that a longer generation grows the caches
-    monkeypatch.setattr(runners.TargetRunner, "prefill_chunk", 32)
-    fast = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
-    synced = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
-    synced.rounds = None
-    fast.rounds_ahead = ahead
-    reads, run = [], fast.rounds.run
-
-    def counted(count):
-        replays.clear()
-        with Ops() as ops:
-            out = run(count)
-        reads.append((count, len(replays), ops.names))
-        return out
-
-    monkeypatch.setattr(fast.rounds, "run", counted)
-
-    def wasted(generate):  # rounds computed past the end of a generation
-        before = sum(count for count, _, _ in reads)
-        res = generate()
-        return res, sum(count for count, _, _ in reads) - before - (len(res.accepted_per_step) - 1)
-
-    kept = 0
-    for p in prompts(seqs)[:4]:
-        ref = synced.generate(p, 30)
-        kept += sum(ref.accepted_per_step)
-        assert ref.tokens == reference_greedy(llama.model, p, 30), p
-        got, waste = wasted(lambda: fast.generate(p, 30))
-        assert got.tokens == ref.tokens and got.accepted_per_step == ref.accepted_per_step, p
-        assert got.stop == "length" and waste == 0  # never more rounds queued than the limit could need
-        eos = ref.tokens[len(ref.tokens) // 2]
-        cut = synced.generate(p, 30, eos_ids=[eos])
-        got, waste = wasted(lambda: fast.generate(p, 30, eos_ids=[eos]))
-        assert got.tokens == cut.tokens and got.stop == "eos" and got.accepted_per_step == cut.accepted_per_step
-        assert 0 <= waste < ahead
-    assert kept > 0  # the draft proposes tokens the target keeps
-    long = fast.generate(p, 220)  # a larger cache: every runner's static functions made anew (new graphs on CUDA)
-    assert long.tokens == synced.generate(p, 220).tokens == reference_greedy(llama.model, p, 220)
-    rounds = fast.rounds
-    assert rounds.statics == rounds._current() and rounds.verdict["tokens"].shape[0] > 64
-    tree = shape is TREE
-    assert len(reads) > 8 and max(count for count, _, _ in reads) == ahead
-    for count, replayed, names in reads[1:]:  # (the first made the rounds' static functions)
-        assert replayed == (4 if tree else 3) * count, names
-        launched = [n for n in names if n not in ("select", "slice")]  # views: no kernel
-        assert sorted(launched) == sorted(["argmax", "index_select" if tree else "copy_"] * count), names
-    if tree:  # some rounds kept a branch that is not the first nodes: the move did move
-        assert any(r for r in synced_moves(synced, prompts(seqs)[:4]))
-    # each is a CUDA graph on a GPU: no host read-back inside (make_fx refuses _local_scalar_dense)
-    from torch.fx.experimental.proxy_tensor import make_fx
-    args = (fast.spec.depth,) if tree else (fast.spec.K - 1,)
-    for fn, buffers, extra in ((rounds._draft_round, rounds.extend, () if tree else args),
-                               (rounds._verdict, rounds.verdict, args if tree else ())):
-        keys = sorted(buffers)
-        with torch.no_grad():
-            make_fx(lambda *v: fn(dict(zip(keys, v)), *extra))(*[buffers[k].clone() for k in keys])
-
-
-def synced_moves(dec, ps) -> list[bool]:
-    """Whether each synced round of `dec` over prompts `ps` kept a branch other than the first nodes."""
-    moved, commit = [], dec.verifier.commit
-
-    def watched(keep):
-        if not isinstance(keep, int):
-            moved.append(list(keep) != list(range(len(keep))))
-        return commit(keep)
-
-    dec.verifier.commit = watched
-    try:
-        for p in ps:
-            dec.generate(p, 30)
-    finally:
-        del dec.verifier.commit
-    return moved
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
@@ -406,34 +285,18 @@ def test_greedy_plain_steps_feed_themselves(llama, seqs, monkeypatch):
     n tokens is n replays and, outside them, only the first token's copy and two fills: no argmax, copy
     or fill launched between two steps. The tokens are the target's own greedy ones."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    inside, calls = [], []
-    step = TargetRunner._greedy_step
-
-    def marked(self, feed, view_len):
-        calls[-1][1] += 1
-        inside.append(1)
-        try:
-            return step(self, feed, view_len)
-        finally:
-            inside.pop()
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside:
-                calls[-1][2].append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
-    monkeypatch.setattr(TargetRunner, "_greedy_step", marked)
+    replays, Ops = launch_counter(monkeypatch)
     dec = decode.SpecDecoder(llama, static_shapes=True)
     dec.plain_ahead = decode.PLAIN_AHEAD
-    greedy = dec.plain.greedy_steps
+    calls, greedy = [], dec.plain.greedy_steps
 
     def counted(tok, n):
-        calls.append([n, 0, []])
-        with Ops():
-            return greedy(tok, n)
+        replays.clear()
+        with Ops() as ops:
+            new = greedy(tok, n)
+        calls.append([n, len(replays), ops.names])
+        return new
 
     monkeypatch.setattr(dec.plain, "greedy_steps", counted)
     for i, p in enumerate(prompts(seqs)[1:3]):
@@ -446,7 +309,7 @@ def test_greedy_plain_steps_feed_themselves(llama, seqs, monkeypatch):
     st = dec.plain._static[(1, ("ids",), "greedy")]
     keys = sorted(st.inputs)
     with torch.no_grad():
-        make_fx(lambda *v: step(dec.plain, dict(zip(keys, v)), dec.plain.book.max_len))(
+        make_fx(lambda *v: dec.plain._greedy_step(dict(zip(keys, v)), dec.plain.book.max_len))(
             *[st.inputs[k].clone() for k in keys])
 
 
