@@ -429,6 +429,17 @@ def test_lr_cosine_ends_at_the_horizon_when_one_is_given():
     assert lr_at(cfg, 99, 1000, horizon=5000) == lr_at(cfg, 99, 1000)  # never beyond the plan
 
 
+def test_default_warmup_is_a_share_of_the_horizon_not_of_the_plan():
+    """Eleventh-session run (train.log): 750 steps under a time budget, planned 27,920; a warmup of 2% of the plan
+    took 558 of them. 2% of the horizon warms up for 15, then the cosine runs to the floor."""
+    cfg = TrainConfig(lr=1e-3, min_lr_ratio=0.1)
+    assert lr_at(cfg, 14, 27920, horizon=750) == pytest.approx(1e-3)
+    assert lr_at(cfg, 14, 27920) == pytest.approx(1e-3 * 15 / 558)  # no horizon yet: the plan's warmup
+    assert lr_at(cfg, 749, 27920, horizon=750) == pytest.approx(1e-4, rel=1e-2)
+    lrs = [lr_at(cfg, s, 27920, horizon=750) for s in range(14, 750)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
 def test_a_budget_the_run_fits_in_leaves_the_schedule_alone(target, data, root):
     train(TrainConfig(steps=6, **FAST), target, data, out=root / "plain", progress=False)
     timed = train(TrainConfig(steps=6, time_budget_s=3600, **FAST), target, data, out=root / "timed", progress=False)

@@ -458,7 +458,8 @@ def register(sub) -> None:
     g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step and rank (default 1)")
     g.add_argument("--lr", type=float, help="peak learning rate (default 1e-4)")
     g.add_argument("--min-lr-ratio", type=float, help="cosine floor as a fraction of --lr (default 0)")
-    g.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps)")
+    g.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps; under "
+                   "--time-budget-s, of those the clock is estimated to allow)")
     g.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (default 0)")
     g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="AdamW betas (default 0.9 0.95)")
     g.add_argument("--clip-grad", type=float, help="max gradient norm, 0 = off (default 0.5)")

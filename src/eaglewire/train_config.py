@@ -121,12 +121,15 @@ def lr_at(cfg: TrainConfig, step: int, total: int, horizon: int | None = None) -
     """Linear warmup, then cosine from lr to lr * min_lr_ratio at step `horizon` (default: total).
 
     A pure function of its arguments. Under a time budget the trainer moves the horizon to the
-    step the clock will stop it at, so the cosine still ends at its floor (train.py `_log`).
+    step the clock will stop it at, so the cosine still ends at its floor (train.py `_log`). The
+    default warmup is 2% of that horizon, not of the planned total: a 270 s run of 750 steps planned
+    as 20 epochs (27,920 steps) once spent 558 of its steps warming up. Until the first estimate
+    (--log-every steps in) the horizon is the plan, so that estimate ends a warmup it cuts short.
     """
-    warm = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.02 * total)
+    end = total if horizon is None else min(total, horizon)
+    warm = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.02 * end)
     if step < warm:
         return cfg.lr * (step + 1) / warm
-    end = total if horizon is None else min(total, horizon)
     progress = (step - warm) / max(1, end - warm)
     low = cfg.lr * cfg.min_lr_ratio
     return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
