@@ -109,7 +109,9 @@ CHOICES = {"target": (True, False), "none": (False, False), "all": (True, True)}
 
 
 ATTENTION = {"default": None, "grouped": True, "sdpa": False}  # SpecDecoder(grouped_attention=...)
-ROUNDS = ("on", "off")  # greedy speculation: rounds.py's rounds (as shipped), or every round read back
+# greedy speculation: rounds.py's rounds (as shipped: the next batch queued before a read-back), the same
+# without that overlap (each batch read back before the next is queued), or every round read back
+ROUNDS = ("on", "batched", "off")
 
 
 def warmed(make, choice: str, attn: str, rounds: str, ids: torch.Tensor, new: int, plain: bool) -> SpecDecoder:
@@ -122,6 +124,7 @@ def warmed(make, choice: str, attn: str, rounds: str, ids: torch.Tensor, new: in
         dec = make(grouped_attention=ATTENTION[attn])
         if rounds == "off":
             dec.rounds = None
+        dec.rounds_overlap = dec.rounds_overlap and rounds == "on"
         (dec.generate_plain if plain else dec.generate)(ids, new)
     finally:
         TargetRunner.autotune, DraftRunner.autotune = shipped
@@ -176,8 +179,9 @@ def main(argv=None) -> int:
                    "(transformers' own, K/V repeated per query head) or grouped (K/V heads read in place, "
                    "attention.py); a comma-separated list times each in turn")
     p.add_argument("--rounds", default="on", metavar="CHOICES",
-                   help="greedy chains and trees: on (as shipped: rounds that never wait for the host, rounds.py) "
-                   "or off (every verdict read back); on,off times both in turn")
+                   help="greedy chains and trees: on (as shipped: rounds that never wait for the host, rounds.py, "
+                   "the next batch queued before a read-back), batched (without that overlap) or off (every "
+                   "verdict read back); on,batched,off times each in turn")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)

@@ -11,32 +11,33 @@ from decoding import CHAIN, TREE, launch_counter, prompts, reference_greedy
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("ahead", [1, 4])
+@pytest.mark.parametrize("ahead,overlap", [(1, False), (4, False), (1, True), (2, True)])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts, monkeypatch, shape, ahead):
+def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts, monkeypatch, shape, ahead, overlap):
     """Greedy decoding on static shapes runs rounds.py after its first round: the verdict stays on the
     device. A chain round is three replays (the draft's extend and chain, the verify, the verdict), a
     tree round four (and the accepted branch's K/V move); outside them only the target's argmax and
-    the taps' copy or gather; `ahead` rounds go by between read-backs. The same tokens and the same
-    acceptance, round by round, as rounds that read each verdict back (fp32), with EOS and the token
-    limit cutting rounds computed past them."""
+    the taps' copy or gather; `ahead` rounds go by between read-backs, and with `overlap` (CUDA) the
+    next batch is queued before a read-back. The same tokens and the same acceptance, round by round,
+    as rounds that read each verdict back (fp32), with EOS and the token limit cutting rounds computed
+    past them."""
     replays, Ops = launch_counter(monkeypatch)
     monkeypatch.setattr(runners, "CACHE_ROUNDING", 64)  # so that a longer generation grows the caches
     monkeypatch.setattr(runners.TargetRunner, "prefill_chunk", 32)
     fast = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
     synced = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
     synced.rounds = None
-    fast.rounds_ahead = ahead
-    reads, run = [], fast.rounds.run
+    fast.rounds_ahead, fast.rounds_overlap = ahead, overlap
+    reads, queue = [], fast.rounds.queue
 
     def counted(count):
         replays.clear()
         with Ops() as ops:
-            out = run(count)
+            batch = queue(count)
         reads.append((count, len(replays), ops.names))
-        return out
+        return batch
 
-    monkeypatch.setattr(fast.rounds, "run", counted)
+    monkeypatch.setattr(fast.rounds, "queue", counted)
 
     def wasted(generate):  # rounds computed past the end of a generation
         before = sum(count for count, _, _ in reads)
@@ -55,12 +56,12 @@ def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts
         cut = synced.generate(p, 30, eos_ids=[eos])
         got, waste = wasted(lambda: fast.generate(p, 30, eos_ids=[eos]))
         assert got.tokens == cut.tokens and got.stop == "eos" and got.accepted_per_step == cut.accepted_per_step
-        assert 0 <= waste < ahead
+        assert 0 <= waste < (2 * ahead if overlap else ahead)
     assert kept > 0  # the draft proposes tokens the target keeps
     long = fast.generate(p, 220)  # a larger cache: every runner's static functions made anew (new graphs on CUDA)
     assert long.tokens == synced.generate(p, 220).tokens == reference_greedy(llama.model, p, 220)
     rounds = fast.rounds
-    assert rounds.statics == rounds._current() and rounds.verdict["tokens"].shape[0] > 64
+    assert rounds.statics == rounds._current() and rounds.verdict["committed"].shape[0] > 64
     tree = shape is TREE
     assert len(reads) > 8 and max(count for count, _, _ in reads) == ahead
     for count, replayed, names in reads[1:]:  # (the first made the rounds' static functions)
@@ -77,6 +78,44 @@ def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts
         keys = sorted(buffers)
         with torch.no_grad():
             make_fx(lambda *v: fn(dict(zip(keys, v)), *extra))(*[buffers[k].clone() for k in keys])
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_overlapped_read_backs_through_pinned_mirrors(llama, seqs, drafts, monkeypatch, shape):
+    """On CUDA a batch's verdicts are copied to pinned host mirrors behind its last replay, and read
+    there once its event has passed. Here the mirrors are CPU tensors and the event a stand-in: each
+    batch copied once, each read after its copy, and the tokens those of rounds that read each verdict
+    back."""
+    import eaglewire.rounds as rounds_mod
+    events = []
+
+    class Event:  # torch.cuda.Event's part that rounds.py uses
+        def __init__(self):
+            self.recorded = self.waited = False
+            events.append(self)
+
+        def record(self):
+            self.recorded = True
+
+        def synchronize(self):
+            assert self.recorded
+            self.waited = True
+
+    monkeypatch.setattr(rounds_mod.torch.cuda, "Event", Event)
+    fast = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    synced = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    synced.rounds = None
+    fast.rounds_ahead, fast.rounds_overlap = 2, True
+    p = prompts(seqs)[0]
+    fast.generate(p, 40)  # makes the rounds' buffers; the mirrors then stand in for pinned ones
+    r = fast.rounds
+    r.host = tuple(torch.full_like(t, -1) for t in (r.verdict["accepted"], r.verdict["committed"]))
+    events.clear()
+    got = fast.generate(p, 40)
+    assert r.statics == r._current()  # the same buffers: no remake dropped the mirrors
+    assert got.tokens == synced.generate(p, 40).tokens and events and all(e.waited for e in events[:-1])
+    k = len(got.accepted_per_step) - 1  # rounds after the synced first
+    assert (r.host[0][:k] >= 0).all() and torch.equal(r.host[1][:k], r.verdict["committed"][:k])
 
 
 def synced_moves(dec, ps) -> list[bool]:

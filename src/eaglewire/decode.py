@@ -197,6 +197,8 @@ class SpecDecoder:
         self.rounds = None if not self.drafter.static else ChainRounds(self.drafter, self.verifier, s.K) \
             if s.mode == "chain" else TreeRounds(self.drafter, self.verifier, s.depth, s.topk, s.budget)
         self.rounds_ahead = ROUNDS_AHEAD if p.device.type == "cuda" else 1
+        # the next rounds queued before a read-back: on a CPU they would run before it, for nothing
+        self.rounds_overlap = p.device.type == "cuda"
 
     # -- entry points ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -224,15 +226,25 @@ class SpecDecoder:
     def _rounds(self, feed, sampling: SamplingParams, gen, out: "_Output"):
         """(accepted draft tokens, committed tokens) of each round, for as long as asked. After the first
         round (its extend carries the whole prompt), greedy decoding on static shapes runs rounds.py's
-        rounds: up to `rounds_ahead` queued, then read back together; never more than could all be
-        needed before the token limit (each commits at most `rows` tokens), so only an EOS wastes any."""
+        rounds: `rounds_ahead` queued, then read back together, with `rounds_overlap` after the next
+        batch is queued. Never more rounds queued than could all be needed before the token limit (each
+        commits at most `rows` tokens, the ones in flight too), so only an EOS wastes any."""
         path, tokens, feed = self._step(feed, sampling, gen)
         yield len(path), tokens
         if self.rounds is not None and sampling.greedy:
-            self.rounds.start(feed)
+            r = self.rounds
+            r.start(feed)
+            flying = None  # a batch queued and not read back
             while True:
                 left = out.max_new - len(out.tokens)
-                yield from self.rounds.run(max(1, min(self.rounds_ahead, left // self.rounds.rows)))
+                count = min(self.rounds_ahead, left // r.rows - (flying[1] if flying else 0))
+                queued = r.queue(max(1, count)) if flying is None or count > 0 else None  # never none at all
+                if flying is not None:
+                    yield from r.collect(flying)
+                flying = queued
+                if not self.rounds_overlap and flying is not None:
+                    yield from r.collect(flying)
+                    flying = None
         while True:
             path, tokens, feed = self._step(feed, sampling, gen)
             yield len(path), tokens

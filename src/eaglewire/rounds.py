@@ -14,9 +14,11 @@ buffers, shared between them:
   3. the verdict: what was accepted, the committed tokens written at their positions, the next
      extend's inputs, the target's position moved on (a tree also moves the accepted branch's K/V).
 
-The host queues `ahead` rounds, then reads the counts and tokens back in one go. Up to ahead - 1
-rounds past an EOS are computed and dropped (the decoder queues no more rounds than the token limit
-could need), so both caches get room for them.
+The host queues `ahead` rounds, then reads the counts and tokens back in one go. On CUDA it queues the
+next batch before it reads one back (`queue`, then `collect`): the copy to pinned memory is ordered behind
+the batch's last replay, so the GPU works on the next rounds while the host takes in the last ones.
+Rounds past an EOS are computed and dropped (up to 2 * ahead - 1 overlapped; the decoder queues no more
+rounds than the token limit could need), so both caches get room for them.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import torch
 
 from .runners import DraftRunner, TargetRunner
 
-# Rounds queued between read-backs on CUDA. A read-back leaves the GPU idle while the host takes it in
-# (tens of us); rounds queued past an EOS are computed for nothing (a round: 2-3 ms on the H200). At ~70
-# rounds a reply two a read-back cost less than four.
-ROUNDS_AHEAD = 2
+# Rounds a read-back on CUDA, the next batch queued before it. Batched without that overlap (twelfth run,
+# H200), a round still spent 0.24 (chain 7) and 0.30 ms (tree) outside its replays: the GPU waited while the
+# host took a batch in and launched the next. Overlapped, one a batch is enough, and wastes least after an EOS.
+ROUNDS_AHEAD = 1
 
 
 class _Rounds:
@@ -39,6 +41,7 @@ class _Rounds:
         # (runner, key) of each static function a round replays: the draft's round, the verify, the verdict ...
         self.keys = ((drafter, keys[0]), (verifier, keys[1]), (drafter, keys[2]), *((verifier, k) for k in keys[3:]))
         self.statics: tuple | None = None
+        self.host: tuple | None = None  # pinned mirrors of the accepted counts and committed tokens (CUDA)
 
     def headroom(self, ahead: int) -> int:
         """Cache rows beyond the token limit that rounds past it may commit."""
@@ -82,32 +85,45 @@ class _Rounds:
         s = v.book.max_len
         self.verdict = {"best": torch.zeros(v.sizes[0], dtype=torch.long, device=dev),
                         "verify_ids": self.verify["ids"], "verify_at": self.verify["at"], "draft_ids": extend["ids"],
-                        "last": extend["last"], "tokens": torch.zeros(s + 1, dtype=torch.long, device=dev),
+                        "last": extend["last"], "committed": torch.zeros(s, rows, dtype=torch.long, device=dev),
                         "accepted": torch.zeros(s, dtype=torch.long, device=dev),
                         "round": torch.zeros(1, dtype=torch.long, device=dev)}
+        if dev.type == "cuda":  # what a read-back copies into without waiting (a round commits >= 1 token)
+            self.host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                              for t in (self.verdict["accepted"], self.verdict["committed"]))
 
     @staticmethod
     def _static(runner, key: tuple, fn, inputs: dict, *args):
         runner._static_function(key, fn, inputs, *args)
         return runner._static[key]
 
-    def run(self, count: int) -> list[tuple[int, list[int]]]:
-        """`count` rounds queued without a read-back, then read back: [(accepted draft tokens, committed
-        tokens)] per round. The runners' lengths follow what was committed."""
+    def queue(self, count: int) -> tuple[int, int, torch.cuda.Event | None]:
+        """`count` rounds queued without a read-back, and on CUDA their verdicts' copy to pinned memory:
+        (first round, count, the copy's event) for `collect`."""
         for _ in range(count):
             self._round()
         first = self.rounds
         self.rounds += count
-        accepted = self.verdict["accepted"][first:self.rounds].tolist()  # the read-back
-        v, d = self.verifier, self.drafter
-        start, end = v.length + 1, v.length + 1 + sum(n + 1 for n in accepted)
-        tokens = self.verdict["tokens"][start:end].tolist()
-        out, at = [], 0
-        for n in accepted:
-            out.append((n, tokens[at:at + n + 1]))
-            at += n + 1
-        v.length += at
-        d.length += at
+        if self.host is None:
+            return first, count, None
+        for host, dev in zip(self.host, (self.verdict["accepted"], self.verdict["committed"])):
+            host[first:self.rounds].copy_(dev[first:self.rounds], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return first, count, done
+
+    def collect(self, batch: tuple[int, int, torch.cuda.Event | None]) -> list[tuple[int, list[int]]]:
+        """A queued batch read back, batches in the order queued: [(accepted draft tokens, committed
+        tokens)] per round. The runners' lengths follow what was committed."""
+        first, count, done = batch
+        if done is not None:
+            done.synchronize()  # its rounds only: rounds queued after it keep the GPU busy
+        accepted, committed = self.host or (self.verdict["accepted"], self.verdict["committed"])
+        out = [(n, tokens[:n + 1]) for n, tokens in zip(accepted[first:first + count].tolist(),
+                                                          committed[first:first + count].tolist())]
+        step = sum(n + 1 for n, _ in out)
+        self.verifier.length += step
+        self.drafter.length += step
         return out
 
 
@@ -150,7 +166,8 @@ class ChainRounds(_Rounds):
         greedy chain rule); row i's argmax is the token at position pos[i] + 1."""
         best = feed["best"]
         n = (feed["verify_ids"][0, 1:] == best[:-1]).long().cumprod(0).sum().view(1)
-        feed["tokens"].index_copy_(0, feed["verify_pos"][0] + 1, best)
+        row = best[:feed["committed"].shape[1]].view(1, -1)  # the first n + 1 are the round's
+        feed["committed"].index_copy_(0, feed["round"], row)
         feed["accepted"].index_copy_(0, feed["round"], n)
         feed["round"].add_(1)
         feed["draft_ids"][0].copy_(best)  # the next extend: the accepted tokens and the one after them
@@ -243,7 +260,8 @@ class TreeRounds(_Rounds):
         rows = torch.cat([levels.new_zeros(1), torch.where(kept, at_level.long().argmax(1) + 1, levels)])
         committed = best.index_select(0, rows)  # the path's tokens and the one after them
         v_len = feed["verify_at"][:1]
-        feed["tokens"].index_copy_(0, v_len + 1 + torch.arange(most + 1, device=best.device), committed)
+        width = feed["committed"].shape[1]
+        feed["committed"].index_copy_(0, feed["round"], torch.nn.functional.pad(committed, (0, width - most - 1))[None])
         feed["accepted"].index_copy_(0, feed["round"], n)
         feed["round"].add_(1)
         feed["draft_ids"][0, :most + 1].copy_(committed)  # the next extend
