@@ -165,6 +165,16 @@ def test_spec_args_never_let_sglang_override_them():
     assert SpecArgs(num_steps=3, topk=4, draft_tokens=8).draft_tokens == 8
 
 
+def test_spec_args_take_every_tree_sglang_can_build():
+    """SGLang scores topk candidates at the first step and topk^2 at each later one, then verifies the best
+    num_draft_tokens - 1 and the root (sglang/srt/speculative/eagle_utils.py, organize_draft_results): steps 6,
+    topk 8 hold 8 + 5 x 64 = 328 candidates, so 64 draft tokens are a tree SGLang builds."""
+    assert SpecArgs(num_steps=6, topk=8, draft_tokens=64).max_draft_tokens == 329
+    assert SpecArgs(num_steps=2, topk=2, draft_tokens=7).draft_tokens == 7  # 2 + 4 candidates and the root
+    with pytest.raises(UsageError, match=r"topk \+ \(num_steps - 1\) x topk\^2 \+ 1 = 7"):
+        SpecArgs(num_steps=2, topk=2, draft_tokens=8)
+
+
 def test_cli_export_and_import(tmp_path, capsys):
     import argparse
 

@@ -31,9 +31,16 @@ class SpecArgs:
                 raise UsageError(f"--draft-tokens {self.draft_tokens} with --topk 1: SGLang would silently replace it "
                                  f"with num_steps + 1 = {self.num_steps + 1}; pass that or leave it out")
             object.__setattr__(self, "draft_tokens", self.num_steps + 1)
-        elif self.draft_tokens is None or not 2 <= self.draft_tokens <= self.num_steps * self.topk + 1:
+        elif self.draft_tokens is None or not 2 <= self.draft_tokens <= self.max_draft_tokens:
             raise UsageError(f"--topk {self.topk} builds a tree: pass --draft-tokens between 2 and "
-                             f"num_steps x topk + 1 = {self.num_steps * self.topk + 1}")
+                             f"topk + (num_steps - 1) x topk^2 + 1 = {self.max_draft_tokens}")
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most tokens SGLang can verify: its first step scores topk candidates and each later one topk^2
+        (the topk kept nodes' topk children), and the verify takes the best num_draft_tokens - 1 of them
+        plus the root (sglang/srt/speculative/eagle_utils.py, organize_draft_results)."""
+        return self.topk + (self.num_steps - 1) * self.topk ** 2 + 1
 
 
 def _taps_line(contract: TapContract, target: dict) -> str:
