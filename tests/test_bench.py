@@ -266,6 +266,10 @@ def test_bad_inputs_are_one_line_errors(shift, random_pair, prompt_file, tmp_pat
         (["--suite", prompt_file, "--target", str(big)], "target_hidden_size is 32 but target"),
         (["--suite", prompt_file, "--max-new-tokens", "250"], "context of 256"),
         (["--suite", prompt_file, "--tree", "--chain", "3"], "exclude each other"),
+        (["--suite", prompt_file, "--shapes", "chain:3,tree:2x2"], "'tree:2x2' is neither chain:K nor tree:"),
+        (["--suite", prompt_file, "--shapes", "chain:3,chain:3"], "chain:3 is listed twice"),
+        (["--suite", prompt_file, "--shapes", "chain:0"], "--chain must be >= 1"),
+        (["--suite", prompt_file, "--shapes", "chain:3", "--chain", "3"], "leave out --chain and --tree"),
     ]
     for extra, msg in cases:
         args = ["bench", "--target", target, "--draft", draft, "--device", "cpu", "--max-new-tokens", "4"] + extra
@@ -274,3 +278,43 @@ def test_bad_inputs_are_one_line_errors(shift, random_pair, prompt_file, tmp_pat
         lines = [x for x in err.splitlines() if x.startswith("eaglewire bench")]  # not progress bars
         assert "Traceback" not in err and len(lines) == 1 and msg in lines[0], (extra, err)
         assert lines[0].startswith("eaglewire bench: error: ")
+
+
+def test_bench_shapes_times_each_shape_against_one_base_run(shift, prompt_file, tmp_path, capsys):
+    """`bench --shapes`: HF and the base decoder once, then each shape; every row named in SGLang's and vLLM's
+    words (interop/serve.py: SGLang counts the verified root among its draft tokens, and forces steps + 1 on
+    a chain), the fastest named with its export command. The shift pair accepts exactly one draft token a
+    step, whatever the chain's length."""
+    target, draft = shift
+    out, png = tmp_path / "shapes.json", tmp_path / "shapes.png"
+    code = main(["bench", "--target", target, "--draft", draft, "--suite", prompt_file, "--max-new-tokens", "12",
+                 "--device", "cpu", "--shapes", "chain:1, chain:3,tree:2x2x3", "--json", str(out), "--plot", str(png)])
+    table = capsys.readouterr().out
+    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = json.loads(out.read_text())
+    assert set(r["runs"]) == {"hf", "base"} and r["base_check"]["ok"] is True
+    assert [row["shape"] for row in r["shapes"]] == ["chain 1", "chain 3", "tree d2 k2 b3"]
+    chain1, chain3, tree = r["shapes"]
+    assert chain1["acceptance"]["rate_by_position"] == [1.0] and chain3["acceptance"]["rate_by_position"] == [1, 0, 0]
+    assert tree["acceptance"]["rate_by_position"][0] == 1.0
+    assert chain3["engines"] == {"sglang": {"num_steps": 3, "topk": 1, "draft_tokens": 4},
+                                 "vllm": {"num_speculative_tokens": 3}}
+    assert tree["engines"] == {"sglang": {"num_steps": 2, "topk": 2, "draft_tokens": 4}, "vllm": None}
+    for row in r["shapes"]:
+        assert row["greedy_check"]["ok"] is True and row["greedy_check"]["compared"] == ["spec"]
+        assert row["spec/base"] == pytest.approx(row["tokens_per_s"] / r["runs"]["base"]["tokens_per_s"])
+    fastest = max(r["shapes"], key=lambda row: row["tokens_per_s"])
+    assert r["fastest"] == fastest["shape"] and f"fastest: {fastest['shape']}," in table
+    assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in table
+    a = fastest["engines"]["sglang"]
+    assert f"--format sglang --num-steps {a['num_steps']} --topk {a['topk']} --draft-tokens {a['draft_tokens']}" in table
+    assert r["settings"]["draft"][2] == {"mode": "tree", "depth": 2, "topk": 2, "budget": 3}
+
+
+def test_shapes_that_sglang_cannot_express():
+    from eaglewire.shapes import engine_shapes
+
+    # SGLang verifies at most topk + (steps - 1) x topk^2 draft tokens (interop/serve.py, SpecArgs)
+    assert engine_shapes(BenchConfig(suite="s", mode="tree", depth=2, topk=2, budget=7))["sglang"] is None
+    assert engine_shapes(BenchConfig(suite="s", mode="tree", depth=6, topk=8, budget=63))["sglang"] == \
+        {"num_steps": 6, "topk": 8, "draft_tokens": 64}

@@ -13,6 +13,7 @@ On a CPU in fp32 they run oneDNN-packed linear layers (prepack.py; "+onednn" in 
 q/k/v and gate/up as one matmul each ("+fused"; projections.py). `grouped_attention` (None: SpecDecoder's
 default, on for CUDA) runs a target whose query heads share K/V heads through attention.py ("+grouped").
 Greedy speculation on static shapes runs rounds that never wait for the host ("+rounds"; rounds.py).
+`--shapes` times several draft shapes against one run without a draft instead (shapes.py).
 
 Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
 `completion_tokens / spec_verify_ct`, vLLM `1 + accepted / drafts`). Acceptance rate at draft
@@ -31,9 +32,7 @@ the target's top-2 logit gap at each: small gaps are rounding, a large one point
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -41,15 +40,14 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, suites, targets
+from . import suites, targets
 from .acceptance import SamplingParams
+from .bench_report import floor_ms, format_table, machine_info, plot_acceptance
 from .errors import EaglewireError, UsageError
 from .runners import DraftRunner, TargetRunner
 
-BANDWIDTH = {"H200": 4.3e12}  # bytes/s a decode step can stream (GPU.md); others: pass bandwidth=
 TIE_GAP = 1e-3  # fp32 top-2 logit gap below which a greedy divergence is rounding, not a bug
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RUNS = ("hf", "base", "spec")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +76,7 @@ class BenchConfig:
     grouped_attention: bool | None = None  # K/V heads read in place (attention.py); None: on CUDA
     warmup: bool = True
     seed: int = 0
-    bandwidth: float | None = None  # bytes/s; None: BANDWIDTH by device name
+    bandwidth: float | None = None  # bytes/s; None: bench_report.BANDWIDTH by device name
 
     def __post_init__(self):
         def bad(field, why):
@@ -308,115 +306,6 @@ def greedy_check(target, prompts: list[torch.Tensor], runs: dict[str, list[Gener
             "mismatches": mismatches, "ok": (not failed) if strict else None}
 
 
-# --- machine, plot, table -------------------------------------------------------------------------
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info(device: torch.device) -> dict:
-    import transformers
-
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": str(device), "device_name": _cpu_name(), "cpu": _cpu_name(),
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "platform": platform.platform(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "eaglewire": __version__}
-    if device.type == "cuda":
-        info.update(device_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
-    return info
-
-
-def floor_ms(weight_bytes: int, device_name: str, bandwidth: float | None) -> tuple[float | None, float | None]:
-    """(bandwidth bytes/s, ms) of reading the target's weights once; None where unknown (CPUs)."""
-    bw = bandwidth or next((v for k, v in BANDWIDTH.items() if k in device_name), None)
-    return (bw, 1e3 * weight_bytes / bw) if bw else (None, None)
-
-
-def plot_acceptance(result: dict, out: Path) -> Path:
-    """PNG of the acceptance rate by draft position, and by category where the suite has them (Agg canvas:
-    no display, no global backend)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    acc = result["acceptance"]
-    rate = acc["rate_by_position"]
-    cond = [c if c is not None else float("nan") for c in acc["conditional_rate_by_position"]]
-    x = list(range(1, len(rate) + 1))
-    groups = {k: v for k, v in (result.get("acceptance_by_group") or {}).items() if v is not None}
-    fig = Figure(figsize=(10.5 if groups else 6, 3.6), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 2, 1) if groups else fig.add_subplot()
-    if groups:  # a second panel: acceptance length by category (MT-bench's writing, roleplay, ...)
-        bx = fig.add_subplot(1, 2, 2)
-        bx.barh(list(groups)[::-1], list(groups.values())[::-1], color="#228833")
-        bx.set(xlabel="acceptance length (tokens a step)", title="by category")
-    ax.bar(x, rate, color="#4477aa", label="accepted at least i (share of steps)")
-    ax.plot(x, cond, "o-", color="#ee6677", label="given i-1 accepted")
-    ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1.05), xticks=x)
-    s = result["settings"]
-    ax.set_title(f"{result['suite']['name']} - {result['runs']['spec']['name']} - acceptance length "
-                 f"{acc['acceptance_length']:.2f} (T={s['temperature']})", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    return out
-
-
-def _f(v, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def format_table(r: dict) -> str:
-    """The human-readable report of a bench result."""
-    m, s = r["machine"], r["settings"]
-    lines = [f"eaglewire bench  {r['suite']['name']} ({r['suite']['prompts']} prompts)  target {r['target']['spec']}"
-             f"  {s['dtype']} on {m['device_name']}  max new {s['max_new_tokens']}  T={s['temperature']}",
-             f"{'run':<10}{'engine':<28}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'ms/step':>9}{'x floor':>9}"]
-    for key, label in zip(RUNS, ("(a) hf", "(b) base", "(c) spec")):
-        run = r["runs"].get(key)
-        if run:
-            lines.append(f"{label:<10}{run['name']:<28}{run['tokens']:>8}{run['wall_s']:>9.2f}"
-                         f"{_f(run['tokens_per_s'], '.1f'):>9}{run['ms_per_step']:>9.2f}"
-                         f"{_f(run['steps_over_floor'], '.0f'):>9}")
-    late = {k: v["graphs_compiled_while_timed"] for k, v in r["runs"].items() if v.get("graphs_compiled_while_timed")}
-    if late:
-        lines.append(f"note: graphs compiled inside timed runs (their compile time is in the timings): {late}")
-    fl = r["floor"]
-    mb = f"{fl['weight_bytes'] / 1e6:.1f} MB of weights"
-    lines.append(f"target step floor: {fl['ms']:.3f} ms ({mb} at {fl['bandwidth'] / 1e12:.1f} TB/s)" if fl["ms"] else
-                 f"target step floor: no bandwidth known for {m['device_name']} ({mb}; pass --bandwidth)")
-    acc = r["acceptance"]
-    lines.append(f"acceptance length {_f(acc['acceptance_length'], '.3f')} tokens/step (bonus included), "
-                 f"{acc['verification_steps']} steps")
-    lines.append("acceptance by position: " + "  ".join(f"{i}:{v:.2f}" for i, v in
-                                                         enumerate(acc["rate_by_position"], 1)))
-    if r.get("acceptance_by_group"):
-        lines.append("acceptance by category: " + "  ".join(f"{k} {_f(v, '.2f')}"
-                                                              for k, v in r["acceptance_by_group"].items()))
-    lines.append("speed-ups: " + "  ".join(f"{k} " + (f"{v:.2f}x" if v else "-") for k, v in r["speedups"].items()))
-    g = r["greedy_check"]
-    if g is not None:
-        bad = g["mismatches"]
-        gaps = sorted(m["top2_logit_gap"] for m in bad if m["top2_logit_gap"] is not None)
-        verdict = ("identical tokens" if not bad else
-                   f"{len(bad)} mismatch(es); first: {bad[0]['run']} prompt {bad[0]['prompt']} position "
-                   f"{bad[0]['position']}" + (f"; top-2 logit gap at the divergence: median "
-                                              f"{gaps[len(gaps) // 2]:.2g}, max {gaps[-1]:.2g}" if gaps else ""))
-        status = {True: "OK", False: "FAILED", None: "report only (not fp32)"}[g["ok"]]
-        lines.append(f"greedy check vs {g['reference']}: {status}: {verdict}")
-    return "\n".join(lines)
-
-
 # --- the whole run --------------------------------------------------------------------------------
 
 
@@ -442,6 +331,20 @@ def _load(target, draft, device: torch.device, dtype: torch.dtype):
     return t, model.to(device=device, dtype=dtype), meta
 
 
+def prepare(target, draft, cfg: BenchConfig) -> tuple:
+    """(device, dtype, suite prompts, target, draft, meta, encoded prompts, EOS ids) for a run; the cheap
+    errors (device, suite, context) before the models load or anything is timed."""
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    sp = suites.load_suite(cfg.suite, cfg.max_prompts)
+    t, draft_model, meta = _load(target, draft, device, dtype)
+    prompts = [suites.encode_prompt(t.tokenizer, c).to(device) for c in sp.conversations]
+    check_context(prompts, cfg, t, sp.name)
+    return device, dtype, sp, t, draft_model, meta, prompts, targets.eos_ids(t)
+
+
 def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, **settings) -> dict:
     """Run (a) HF generate, (b) our decoder without and (c) with speculation on one suite; return the result dict.
 
@@ -450,15 +353,7 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
     """
     cfg = BenchConfig(suite=suite, **settings)
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: CUDA is not available on this machine")
-    dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    sp = suites.load_suite(cfg.suite, cfg.max_prompts)  # cheap errors before the models load
-    t, draft_model, meta = _load(target, draft, device, dtype)
-    prompts = [suites.encode_prompt(t.tokenizer, c).to(device) for c in sp.conversations]
-    check_context(prompts, cfg, t, sp.name)
-    eos = targets.eos_ids(t)
+    device, dtype, sp, t, draft_model, meta, prompts, eos = prepare(target, draft, cfg)
 
     runners = {"hf": hf_runner(t, cfg, device, eos)} if cfg.hf else {}
     runners["base"] = decoder_runner(t, draft_model, meta, cfg, device, eos, speculate=False)
@@ -482,22 +377,12 @@ def autotuned(device: torch.device) -> dict[str, bool]:
     return {"target": TargetRunner.autotune and cuda, "draft": DraftRunner.autotune and cuda}
 
 
-def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict, device, dtype) -> dict:
-    """The JSON-ready result: machine, target, draft, suite, settings, runs, speed-ups, acceptance, check."""
+def describe(cfg: BenchConfig, t, meta, sp, device, dtype) -> dict:
+    """What a result is about: machine, target, draft, suite, settings and the target step's floor."""
     machine = machine_info(device)
     weight_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())  # tied weights once
     bw, fms = floor_ms(weight_bytes, machine["device_name"], cfg.bandwidth)
-    runs = {k: {"name": names[k], **summarize(g, fms)} for k, g in gens.items()}
-    if "hf" in runs:  # transformers compiles the forward itself for a static cache on CUDA; say whether it did
-        runs["hf"]["compiled"] = getattr(t.model, "_compiled_call", None) is not None
-        runs["hf"]["name"] += "+compile" if runs["hf"]["compiled"] else ""
-    tps = {k: v["tokens_per_s"] for k, v in runs.items()}
-
-    def ratio(a, b):
-        return tps[a] / tps[b] if tps.get(a) and tps.get(b) else None
-
     return {
-        "eaglewire_bench": 1,
         "machine": machine,
         "target": {"spec": t.spec, "fingerprint": t.fingerprint, "weight_bytes": weight_bytes,
                    "parameters": sum(p.numel() for p in t.model.parameters())},
@@ -509,6 +394,31 @@ def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict
                      "cuda_graphs": cfg.cuda_graphs and device.type == "cuda", "compile": cfg.compiles(device),
                      "autotune": autotuned(device) if cfg.compiles(device) else None},
         "floor": {"weight_bytes": weight_bytes, "bandwidth": bw, "ms": fms},
+    }
+
+
+def summarize_runs(t, gens: dict, names: dict, floor: float | None) -> dict:
+    """{run: its name and totals}; HF's name says whether transformers compiled its forward (it does so by
+    itself for a static cache on CUDA)."""
+    runs = {k: {"name": names[k], **summarize(g, floor)} for k, g in gens.items()}
+    if "hf" in runs:
+        runs["hf"]["compiled"] = getattr(t.model, "_compiled_call", None) is not None
+        runs["hf"]["name"] += "+compile" if runs["hf"]["compiled"] else ""
+    return runs
+
+
+def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict, device, dtype) -> dict:
+    """The JSON-ready result: machine, target, draft, suite, settings, runs, speed-ups, acceptance, check."""
+    head = describe(cfg, t, meta, sp, device, dtype)
+    runs = summarize_runs(t, gens, names, head["floor"]["ms"])
+    tps = {k: v["tokens_per_s"] for k, v in runs.items()}
+
+    def ratio(a, b):
+        return tps[a] / tps[b] if tps.get(a) and tps.get(b) else None
+
+    return {
+        "eaglewire_bench": 1,
+        **head,
         "runs": runs,
         "speedups": {"base/hf": ratio("base", "hf"), "spec/base": ratio("spec", "base"),
                      "spec/hf": ratio("spec", "hf")},
@@ -538,6 +448,9 @@ def cmd_bench(args) -> int:
                     bandwidth=args.bandwidth * 1e12 if args.bandwidth else None)
     if args.tree and args.chain:
         raise UsageError("--chain K and --tree exclude each other; pick one")
+    if args.shapes:
+        from .shapes import main_shapes
+        return main_shapes(args, settings)
     result = run_bench(args.target, args.draft, args.suite, json_out=args.json, plot=args.plot, **settings)
     print(format_table(result))
     if args.json:
@@ -571,6 +484,9 @@ def register(sub) -> None:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--budget", type=int, default=63, help="draft tokens per tree after pruning")
+    p.add_argument("--shapes", default=None, metavar="LIST",
+                   help="time several shapes in one run instead, e.g. chain:4,chain:7,tree:6x8x63 (depth x topk x "
+                        "budget): the fastest, with its engine flags (--plot: tok/s against acceptance)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="PNG of acceptance rate by draft position (and by category where the suite has them)")
