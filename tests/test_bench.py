@@ -304,10 +304,11 @@ def test_bench_shapes_times_each_shape_against_one_base_run(shift, prompt_file, 
         assert row["greedy_check"]["ok"] is True and row["greedy_check"]["compared"] == ["spec"]
         assert row["spec/base"] == pytest.approx(row["tokens_per_s"] / r["runs"]["base"]["tokens_per_s"])
     fastest = max(r["shapes"], key=lambda row: row["tokens_per_s"])
-    assert r["fastest"] == fastest["shape"] and f"fastest: {fastest['shape']}," in table
+    assert r["fastest"] == fastest["shape"] and f"fastest here: {fastest['shape']}," in table
     assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in table
     a = fastest["engines"]["sglang"]
-    assert f"--format sglang --num-steps {a['num_steps']} --topk {a['topk']} --draft-tokens {a['draft_tokens']}" in table
+    assert (f"--format sglang --num-steps {a['num_steps']} --topk {a['topk']} --draft-tokens {a['draft_tokens']}"
+            in table)
     assert r["settings"]["draft"][2] == {"mode": "tree", "depth": 2, "topk": 2, "budget": 3}
 
 

@@ -32,7 +32,6 @@ the target's top-2 logit gap at each: small gaps are rounding, a large one point
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -42,7 +41,7 @@ import torch
 
 from . import suites, targets
 from .acceptance import SamplingParams
-from .bench_report import floor_ms, format_table, machine_info, plot_acceptance
+from .bench_report import floor_ms, format_table, machine_info, plot_acceptance, write_json
 from .errors import EaglewireError, UsageError
 from .runners import DraftRunner, TargetRunner
 
@@ -363,9 +362,7 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
     result = build_result(cfg, t, meta, sp, prompts, gens, {k: r[0] for k, r in runners.items()}, device, dtype)
     result["warnings"] = list(runners["spec"][2].warnings)
     if json_out:
-        out = Path(json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, json_out)
     if plot:
         plot_acceptance(result, Path(plot))
     return result

@@ -4,6 +4,7 @@ and the table (bench.py runs the bench; shapes.py sweeps speculation shapes and 
 from __future__ import annotations
 
 import datetime
+import json
 import platform
 from pathlib import Path
 
@@ -120,3 +121,12 @@ def format_table(r: dict) -> str:
         status = {True: "OK", False: "FAILED", None: "report only (not fp32)"}[g["ok"]]
         lines.append(f"greedy check vs {g['reference']}: {status}: {verdict}")
     return "\n".join(lines)
+
+
+def write_json(result: dict, path) -> None:
+    """The result as JSON at `path` (its folder made), written whole or not at all."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out)

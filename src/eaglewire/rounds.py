@@ -11,7 +11,7 @@ buffers, shared between them:
      greedy chain (ChainRounds) or an EAGLE-2 tree (TreeRounds), written as the verify's input, with
      the draft's position moved past the kept rows;
   2. the target's verify (its usual static forward) and, launched by the host, its argmax;
-  3. the verdict: what was accepted, the committed tokens written at their positions, the next
+  3. the verdict: what was accepted, the committed tokens written in the round's row, the next
      extend's inputs, the target's position moved on (a tree also moves the accepted branch's K/V).
 
 The host queues `ahead` rounds, then reads the counts and tokens back in one go. On CUDA it queues the
@@ -260,8 +260,8 @@ class TreeRounds(_Rounds):
         rows = torch.cat([levels.new_zeros(1), torch.where(kept, at_level.long().argmax(1) + 1, levels)])
         committed = best.index_select(0, rows)  # the path's tokens and the one after them
         v_len = feed["verify_at"][:1]
-        width = feed["committed"].shape[1]
-        feed["committed"].index_copy_(0, feed["round"], torch.nn.functional.pad(committed, (0, width - most - 1))[None])
+        row = torch.nn.functional.pad(committed, (0, feed["committed"].shape[1] - most - 1))  # the first n + 1
+        feed["committed"].index_copy_(0, feed["round"], row[None])
         feed["accepted"].index_copy_(0, feed["round"], n)
         feed["round"].add_(1)
         feed["draft_ids"][0, :most + 1].copy_(committed)  # the next extend

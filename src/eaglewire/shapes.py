@@ -13,7 +13,6 @@ export command for it. Prints the table, writes JSON and a PNG of tokens/s again
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from .bench import (BenchConfig, acceptance, decoder_runner, describe, greedy_check, hf_runner, prepare,
                     run_prompts, summarize, summarize_runs)
-from .bench_report import or_dash
+from .bench_report import or_dash, write_json
 from .errors import EaglewireError, UsageError
 from .interop.serve import SpecArgs
 
@@ -107,9 +106,7 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
               if greedy and cfg.hf else None,
               "shapes": rows, "fastest": max(rows, key=lambda r: r["tokens_per_s"])["shape"]}
     if json_out:
-        out = Path(json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, json_out)
     if plot:
         plot_shapes(result, Path(plot))
     return result
@@ -139,7 +136,7 @@ def format_shapes(r: dict) -> str:
                      f"{or_dash(row['spec/hf'], '.2f') + 'x' if row['spec/hf'] else '-':>7}  "
                      f"{_verdict(row['greedy_check']):<8}{_sglang_flags(row['engines']['sglang'])}")
     best = next(row for row in r["shapes"] if row["shape"] == r["fastest"])
-    lines.append(f"fastest: {best['shape']}, {best['tokens_per_s']:.1f} tok/s ({best['spec/base']:.2f}x without a "
+    lines.append(f"fastest here: {best['shape']}, {best['tokens_per_s']:.1f} tok/s ({best['spec/base']:.2f}x without a "
                  f"draft, acceptance {best['acceptance']['acceptance_length']:.2f})")
     a = best["engines"]["sglang"]
     if a is not None:
