@@ -71,3 +71,13 @@ def test_rewriting_arguments_keeps_the_rest():
     v = ea.with_speculative_config("vllm serve T --speculative-config '{\"method\": \"eagle\", \"model\": \"/d\", "
                                    "\"num_speculative_tokens\": 3}'", method="eagle3")
     assert ea.parse("vllm", v).algorithm == "eagle3" and ea.parse("vllm", v).draft_path == "/d"
+
+
+def test_sglang_tree_of_more_draft_tokens_than_its_steps_draft():
+    """eagle_utils.py organize_draft_results: torch.topk picks num_draft_tokens - 1 of the topk + (steps - 1) x
+    topk^2 drafted candidates; steps 2 of topk 2 draft 6, so 8 draft tokens fail at the first request."""
+    (r,) = ea.parse("sglang", "--speculative-algorithm EAGLE3 --speculative-num-steps 2 --speculative-eagle-topk 2 "
+                              "--speculative-num-draft-tokens 8").refusals
+    assert "at most 6 candidates" in r.why and r.fix == {"speculative-num-draft-tokens": 7}
+    assert not ea.parse("sglang", "--speculative-algorithm EAGLE3 --speculative-num-steps 6 --speculative-eagle-topk 8 "
+                                  "--speculative-num-draft-tokens 64").refusals

@@ -8,7 +8,9 @@ Rules read from:
   unset ((5, 4, 8) for Llama, (3, 1, 4) for DeepSeek V2/V3, (5, 4, 8) otherwise); topk 1 forces
   draft tokens to steps + 1 with only a log warning; topk > 1 with page size > 1 is refused except
   on flashinfer; trtllm_mha refuses topk > 1; NEXTN is an alias of EAGLE.
-- SGLang speculative/eagle_worker.py: an EAGLE-3 draft ignores --speculative-token-map.
+- SGLang speculative/eagle_worker.py: an EAGLE-3 draft ignores --speculative-token-map;
+  speculative/eagle_utils.py `organize_draft_results`: a tree verifies at most
+  topk + (steps - 1) x topk^2 + 1 tokens (torch.topk over the drafted candidates).
 - vLLM vllm/config/speculative.py: without "method", the method is detected from the draft path
   ("eagle-" -> eagle, then "eagle3" -> eagle3), else the draft is run as a plain draft model;
   num_speculative_tokens falls back to the draft config, else it is required.
@@ -21,6 +23,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
+from ..interop.serve import sglang_max_draft_tokens
 
 ENGINES = ("sglang", "vllm")
 
@@ -161,6 +164,12 @@ def _sglang(given: dict, target_arch: str | None, draft_path: str | None) -> Eng
         elif page > 1 and given.get("attention-backend") != "flashinfer":
             refusals.append(Refusal(why=f"--speculative-eagle-topk {topk} with --page-size {page} is refused except "
                                     "on the flashinfer attention backend", fix={"attention-backend": "flashinfer"}))
+    most = sglang_max_draft_tokens(steps, topk) if topk and topk > 1 and steps else None
+    if most is not None and ndt is not None and ndt > most:
+        refusals.append(Refusal(why=f"--speculative-num-draft-tokens {ndt}: steps {steps} of topk {topk} draft at "
+                                f"most {most - 1} candidates and the verify picks num_draft_tokens - 1 of them "
+                                "(torch.topk in eagle_utils.py organize_draft_results): the first request, the "
+                                "server's warm-up, fails", fix={"speculative-num-draft-tokens": most}))
     if topk == 1 and ndt is not None and steps is not None and ndt != steps + 1:
         overrides.append(Override(setting="--speculative-num-draft-tokens", requested=ndt, used=steps + 1,
                                   why=f"with --speculative-eagle-topk 1 SGLang forces draft tokens to "

@@ -14,6 +14,13 @@ from ..errors import UsageError
 from ..taps import TapContract
 
 
+def sglang_max_draft_tokens(num_steps: int, topk: int) -> int:
+    """The most tokens SGLang can verify a step: its first draft step scores topk candidates and each later
+    one topk^2 (the topk kept nodes' topk children); the verify takes the best num_draft_tokens - 1 of them
+    and the root (sglang/srt/speculative/eagle_utils.py, organize_draft_results: torch.topk over them)."""
+    return topk + (num_steps - 1) * topk ** 2 + 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class SpecArgs:
     """Speculation shape: steps (chain depth), topk (branching) and tokens verified per step."""
@@ -37,10 +44,7 @@ class SpecArgs:
 
     @property
     def max_draft_tokens(self) -> int:
-        """The most tokens SGLang can verify: its first step scores topk candidates and each later one topk^2
-        (the topk kept nodes' topk children), and the verify takes the best num_draft_tokens - 1 of them
-        plus the root (sglang/srt/speculative/eagle_utils.py, organize_draft_results)."""
-        return self.topk + (self.num_steps - 1) * self.topk ** 2 + 1
+        return sglang_max_draft_tokens(self.num_steps, self.topk)
 
 
 def _taps_line(contract: TapContract, target: dict) -> str:
