@@ -11,6 +11,7 @@ from decoding import CHAIN, TREE, fake_capture, prompts, reference_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from decode_steps import replays_per_round  # noqa: E402
+from round_kernels import by_kind, kind, per_round  # noqa: E402
 
 
 def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, monkeypatch):
@@ -41,3 +42,31 @@ def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, 
             assert per_round[move[0]] == pytest.approx(1 - first), per_round
             assert per_round.get("TargetRunnermove", 0) <= first
         assert "prefill" not in dec.verifier.__dict__  # the wrapper is gone
+
+
+def test_kernel_kinds_of_names_an_h200_profile_showed():
+    """round_kernels.py sorts a round's kernels by name (twelfth run, torch.profiler on the H200)."""
+    assert kind("nvjet_sm90_tst_8x64_64x16_4x1_v_bz_TNN") == "matmul"
+    assert kind("triton_per_fused_mm_t_view_12") == "matmul"  # Inductor's one-row matmul
+    assert kind("triton_tem_fused__to_copy_bmm_transpose_view_6") == "matmul"
+    assert kind("triton_red_fused__to_copy__unsafe_view_add_argmax_copy__index_copy_mm_select_view_24") == "matmul"
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64") == "attention"
+    assert kind("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy__unsafe_view_add") == "pointwise"
+    assert kind("triton_red_fused__unsafe_view_argmax_select_20") == "selection"
+    assert kind("Memset (Device)") == kind("Memcpy DtoH (Device -> Pageable)") == "copy"
+    assert kind("triton_per_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_16") == "reduction"
+    assert kind("mkldnn::_linear_pointwise") == kind("aten::addmm") == "matmul" and kind("aten::mul") == "pointwise"
+
+
+def test_a_rounds_kernels_are_the_long_profile_less_the_short_one(llama, seqs, drafts):
+    """Per round: a long generation's operators less a short one's, over the rounds between (CPU: operators)."""
+    p = prompts(seqs)[0]
+    dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **CHAIN)
+    dec.generate(p, 24)
+    row = per_round(dec, p, 6, 24, plain=False)
+    assert row["rounds"] > 0
+    kinds = by_kind(row)
+    assert kinds["matmul"]["calls"] > 0 and kinds["attention"]["calls"] > 0
+    assert sum(v["calls"] for v in kinds.values()) == pytest.approx(sum(c for c, _ in row["kernels"].values()))
+    plain = per_round(decode.SpecDecoder(llama, static_shapes=True), p, 6, 24, plain=True)
+    assert plain["rounds"] == 18  # a plain round is one token
