@@ -13,6 +13,7 @@ export command for it. Prints the table, writes JSON and a PNG of tokens/s again
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 import sys
 from pathlib import Path
@@ -61,7 +62,9 @@ def engine_shapes(cfg: BenchConfig) -> dict[str, dict | None]:
 
 
 def _release(device: torch.device) -> None:
-    """A finished shape's caches and graphs go before the next shape's are made."""
+    """A finished shape's caches and graphs go before the next shape's are made (its runners refer to each
+    other: only a collection frees them)."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
