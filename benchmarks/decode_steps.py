@@ -15,6 +15,7 @@ only the round is timed. Prints a table and writes the same numbers as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eaglewire import __version__, targets
+from eaglewire import __version__, attention, targets
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.decode import SpecDecoder
 from eaglewire.draft import DraftConfig, Eagle3Draft
@@ -108,10 +109,23 @@ def replays_per_round(runners, run) -> tuple[dict[str, float], object]:
 CHOICES = {"target": (True, False), "none": (False, False), "all": (True, True)}  # autotune (target's, draft's)
 
 
-ATTENTION = {"default": None, "grouped": True, "sdpa": False}  # SpecDecoder(grouped_attention=...)
+ATTENTION = {"default": None, "grouped": True, "sdpa": False, "matmul": True}  # SpecDecoder(grouped_attention=...)
+MATMUL_ROWS = 64  # --attention matmul: grouped, with verifies of up to this many rows spelt as matmuls too
 # greedy speculation: rounds.py's rounds (as shipped: the next batch queued before a read-back), the same
 # without that overlap (each batch read back before the next is queued), or every round read back
 ROUNDS = ("on", "batched", "off")
+
+
+@contextlib.contextmanager
+def matmul_rows(n: int):
+    """attention.MATMUL_MAX_ROWS set to n meanwhile: read when a forward is traced (compiled), at each call
+    eager."""
+    shipped = attention.MATMUL_MAX_ROWS
+    attention.MATMUL_MAX_ROWS = n
+    try:
+        yield
+    finally:
+        attention.MATMUL_MAX_ROWS = shipped
 
 
 def warmed(make, choice: str, attn: str, rounds: str, ids: torch.Tensor, new: int, plain: bool) -> SpecDecoder:
@@ -120,12 +134,15 @@ def warmed(make, choice: str, attn: str, rounds: str, ids: torch.Tensor, new: in
     and one attention."""
     shipped = TargetRunner.autotune, DraftRunner.autotune
     TargetRunner.autotune, DraftRunner.autotune = CHOICES[choice]
+    rows = MATMUL_ROWS if attn == "matmul" else attention.MATMUL_MAX_ROWS
     try:
-        dec = make(grouped_attention=ATTENTION[attn])
-        if rounds == "off":
-            dec.rounds = None
-        dec.rounds_overlap = dec.rounds_overlap and rounds == "on"
-        (dec.generate_plain if plain else dec.generate)(ids, new)
+        with matmul_rows(rows):
+            dec = make(grouped_attention=ATTENTION[attn])
+            dec.bench_matmul_rows = rows  # measure() runs it so again
+            if rounds == "off":
+                dec.rounds = None
+            dec.rounds_overlap = dec.rounds_overlap and rounds == "on"
+            (dec.generate_plain if plain else dec.generate)(ids, new)
     finally:
         TargetRunner.autotune, DraftRunner.autotune = shipped
     return dec
@@ -136,7 +153,8 @@ def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: 
     results = {k: [] for k in decs}
     for _ in range(repeats):
         for k, dec in decs.items():
-            results[k].append((dec.generate_plain if plain else dec.generate)(ids, new))
+            with matmul_rows(dec.bench_matmul_rows):
+                results[k].append((dec.generate_plain if plain else dec.generate)(ids, new))
     rows = {}
     for k, dec in decs.items():
         best = min(results[k], key=lambda r: r.timings["step_ms"])
@@ -145,7 +163,9 @@ def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: 
                "round_ms_median": statistics.median(r.timings["step_ms"] for r in results[k])}
         if dec.device.type == "cuda":
             runners = [dec.plain] if plain else [dec.drafter, dec.verifier]
-            per_round, _ = replays_per_round(runners, lambda: (dec.generate_plain if plain else dec.generate)(ids, new))
+            run = dec.generate_plain if plain else dec.generate
+            with matmul_rows(dec.bench_matmul_rows):
+                per_round, _ = replays_per_round(runners, lambda: run(ids, new))
             graphs = {f"{type(r).__name__}{key}": st for r in runners for key, st in replays(r).items()}
             row["graphs"] = {key: graph_ms(st) for key, st in graphs.items() if key in per_round}
             row["replays_per_round"] = per_round
@@ -176,8 +196,9 @@ def main(argv=None) -> int:
                    "ships), none, all; a comma-separated list times each choice in turn, in this process")
     p.add_argument("--attention", default="default", metavar="CHOICES",
                    help="the target's and draft's attention: default (as the decoder ships: grouped on CUDA), sdpa "
-                   "(transformers' own, K/V repeated per query head) or grouped (K/V heads read in place, "
-                   "attention.py); a comma-separated list times each in turn")
+                   "(transformers' own, K/V repeated per query head), grouped (K/V heads read in place, "
+                   "attention.py) or matmul (grouped, with verifies of up to 64 rows spelt as matmuls too); a "
+                   "comma-separated list times each in turn")
     p.add_argument("--rounds", default="on", metavar="CHOICES",
                    help="greedy chains and trees: on (as shipped: rounds that never wait for the host, rounds.py, "
                    "the next batch queued before a read-back), batched (without that overlap) or off (every "

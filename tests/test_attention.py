@@ -71,6 +71,27 @@ def test_a_one_row_step_is_two_matmuls_not_a_fused_kernel(monkeypatch, additive)
     torch.testing.assert_close(grouped, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("t", [2, 8])
+def test_verifies_up_to_matmul_max_rows_are_matmuls_too(monkeypatch, t):
+    """`decode_steps.py --attention matmul`: verify rows spelt as two matmuls and a softmax, each row with its
+    own mask (a tree's), equal to transformers' sdpa; past MATMUL_MAX_ROWS, sdpa again."""
+    q, k, v, mask = inputs(t, heads=6, kv_heads=2)
+    module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    monkeypatch.setattr(attention, "MATMUL_MAX_ROWS", 8)
+    got, _ = attention.grouped_sdpa(module, q, k, v, mask, scaling=0.25,
+                                    **{attention.ROWS_MASK: attention.rows_mask(mask, 3)})
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not calls
+    monkeypatch.setattr(attention, "MATMUL_MAX_ROWS", t - 1)
+    torch.testing.assert_close(attention.grouped_sdpa(module, q, k, v, mask, scaling=0.25)[0], want, rtol=1e-6,
+                               atol=1e-6)
+    assert calls
+
+
 def test_without_shared_heads_it_is_transformers_sdpa():
     q, k, v, mask = inputs(3, heads=2, kv_heads=2)
     module = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)

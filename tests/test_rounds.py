@@ -118,6 +118,19 @@ def test_overlapped_read_backs_through_pinned_mirrors(llama, seqs, drafts, monke
     assert (r.host[0][:k] >= 0).all() and torch.equal(r.host[1][:k], r.verdict["committed"][:k])
 
 
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_verifies_spelt_as_matmuls_keep_greedy_tokens(llama, seqs, drafts, monkeypatch, shape):
+    """`decode_steps.py --attention matmul`: grouped attention with every verify's rows (a chain's causal block,
+    a tree's mask) as matmuls gives target-only greedy tokens (fp32)."""
+    import eaglewire.attention as attention
+
+    monkeypatch.setattr(attention, "MATMUL_MAX_ROWS", 64)
+    dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, grouped_attention=True, **shape)
+    assert dec.grouped_attention
+    for p in prompts(seqs)[:2]:
+        assert dec.generate(p, 24).tokens == reference_greedy(llama.model, p, 24), p
+
+
 def synced_moves(dec, ps) -> list[bool]:
     """Whether each synced round of `dec` over prompts `ps` kept a branch other than the first nodes."""
     moved, commit = [], dec.verifier.commit

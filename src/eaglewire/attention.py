@@ -10,8 +10,8 @@ and the mask is repeated G times to match: the same attention over the same keys
 Fewer, taller heads are not always faster for the attention kernel itself. On an H200 (tenth run) grouped
 sdpa won the 8- and 64-row verify rounds by 1-3% and lost the one-row step by 8%: 3 heads of 3 rows give a
 fused kernel too little to split. A one-row step is therefore spelt as two matmuls and a softmax instead
-(`one_row_attention`). That won the plain step too (eleventh run: 1.104 -> 1.046 ms), so the decoder's
-target on CUDA attends this way by default.
+(`matmul_attention`). That won the plain step too (eleventh run: 1.104 -> 1.046 ms), so the decoder's
+target on CUDA attends this way by default. Verifies of up to MATMUL_MAX_ROWS rows may be spelt so too.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from .targets import text_config
 
 NAME = "eaglewire_grouped_sdpa"
 ROWS_MASK = "eaglewire_rows_mask"  # a forward's kwarg: its mask repeated for the grouped rows once, not per layer
+# Query rows a head may have for its attention to be spelt as matmuls rather than sdpa. As shipped, a decode step
+# only. On the H200 (twelfth run) an 8-row verify's cuDNN attention took 6.5 us a layer plus a memset, a layout
+# copy and its mask's kernel; `decode_steps.py --attention matmul` times multi-row verifies spelt as matmuls.
+MATMUL_MAX_ROWS = 1
 
 
 def rows_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
@@ -41,20 +45,23 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     b, hq, t, d = query.shape
     g = hq // key.shape[1]
     rows = query.reshape(b, key.shape[1], g * t, d)
-    if t == 1:
-        out = one_row_attention(rows, key, value, mask[:, :, :1], d ** -0.5 if scale is None else scale)
+    if t == 1:  # every grouped row is the one row: its mask is the first
+        out = matmul_attention(rows, key, value, mask[:, :, :1], d ** -0.5 if scale is None else scale)
         return out.reshape(b, hq, t, value.shape[-1])
     mask = mask if mask.shape[2] == g * t else rows_mask(mask, g)
-    out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale)
+    if t <= MATMUL_MAX_ROWS:
+        out = matmul_attention(rows, key, value, mask, d ** -0.5 if scale is None else scale)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale)
     return out.reshape(b, hq, t, value.shape[-1])
 
 
-def one_row_attention(rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """A decode step's attention, each query head one row: rows (B, Hkv, G, D), mask (B or 1, 1, 1, S).
-    Spelt as two matmuls and a softmax, which a compiled step fuses into a few small kernels: the fused
-    attention kernels split their work by query rows, and a decode step has G of them per K/V head. Scores
-    stay fp32 as in those kernels (bf16 scores would round a weight by up to ~5%)."""
+def matmul_attention(rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """A few query rows' attention: rows (B, Hkv, R, D), mask (B or 1, 1, R or 1, S). Spelt as two matmuls and
+    a softmax, which a compiled step fuses into a few small kernels: the fused attention kernels split their
+    work by query rows, and a decode step has G of them per K/V head. Scores stay fp32 as in those kernels
+    (bf16 scores would round a weight by up to ~5%)."""
     scores = torch.matmul(rows.float(), key.float().transpose(-1, -2)) * scale  # (B, Hkv, G, S)
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     return torch.matmul(scores.softmax(-1).to(value.dtype), value)
