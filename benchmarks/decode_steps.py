@@ -29,7 +29,8 @@ from eaglewire import __version__, attention, targets
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.decode import SpecDecoder
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.runners import DraftRunner, TargetRunner
+from eaglewire.draft_runner import DraftRunner
+from eaglewire.runners import TargetRunner
 from eaglewire.taps import TapContract
 
 

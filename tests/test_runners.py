@@ -8,7 +8,8 @@ import torch
 from conftest import no_hooks_left
 from eaglewire import attention
 from eaglewire.capture import capture
-from eaglewire.runners import DraftRunner, TargetRunner
+from eaglewire.draft_runner import DraftRunner
+from eaglewire.runners import TargetRunner
 from eaglewire.targets import shared_copy
 from decoding import CONTRACT, new_draft
 from tiny import tiny_model

@@ -42,8 +42,9 @@ import torch
 from . import suites, targets
 from .acceptance import SamplingParams
 from .bench_report import floor_ms, format_table, machine_info, plot_acceptance, write_json
+from .draft_runner import DraftRunner
 from .errors import EaglewireError, UsageError
-from .runners import DraftRunner, TargetRunner
+from .runners import TargetRunner
 
 TIE_GAP = 1e-3  # fp32 top-2 logit gap below which a greedy divergence is rounding, not a bug
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

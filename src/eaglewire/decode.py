@@ -30,10 +30,11 @@ from . import attention, projections
 from . import prepack as packing
 from .acceptance import (SamplingParams, logits_to_probs, verify_chain_greedy, verify_chain_sampling,
                          verify_tree_greedy, verify_tree_sampling)
-from .rounds import ROUNDS_AHEAD, ChainRounds, TreeRounds
 from .draft import grouped_copy
+from .draft_runner import DraftRunner
 from .errors import UsageError
-from .runners import DraftRunner, TargetRunner
+from .rounds import ROUNDS_AHEAD, ChainRounds, TreeRounds
+from .runners import TargetRunner
 from .targets import compare_fingerprints, shared_copy
 from .tree import DraftTree, grow, prune, tree_attention
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .runners import DraftRunner, TargetRunner
+from .draft_runner import DraftRunner
+from .runners import TargetRunner
 
 # Rounds a read-back on CUDA, the next batch queued before it. Batched without that overlap (twelfth run,
 # H200), a round still spent 0.24 (chain 7) and 0.30 ms (tree) outside its replays: the GPU waited while the

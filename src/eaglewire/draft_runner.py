@@ -1,0 +1,149 @@
+"""The draft's side of decoding: `DraftRunner`, a slot runner (runners.py) over an `Eagle3Draft`, with its
+drafting loops as static functions (one compiled graph, one CUDA-graph replay each): an extend and a
+greedy chain, a sampled chain, an EAGLE-2 tree."""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_slots import DraftSlotCache, Slots
+from .runners import SlotRunner, _Static
+from .tree import DraftTree, grow, prune, tree_attention
+
+
+class DraftRunner(SlotRunner):
+    """An Eagle3Draft; `forward({"ids", "taps" | "hidden"}, ...)` returns (logits (T, Vd), hidden (T, H))."""
+
+    def __init__(self, draft: torch.nn.Module, **kw):
+        p = next(draft.parameters())
+        super().__init__(p.device, **kw)
+        self.draft = draft
+        self.kv: DraftSlotCache | None = None
+
+    def _new_cache(self) -> None:
+        self.kv = DraftSlotCache(self.book, self.draft.config.num_layers)
+
+    def _layers(self) -> list[Slots]:
+        return self.kv.layers
+
+    def _run(self, inputs, pos, mask):
+        hidden = self.draft.fuse(inputs["taps"]) if "taps" in inputs else inputs["hidden"]
+        return self.draft(inputs["ids"], hidden, pos, cache=self.kv, attn_mask=mask)
+
+    def _one_function(self, key: tuple, fn, *args, root: torch.Tensor, hidden: torch.Tensor, position: int,
+                      start: int, scratch: int) -> _Static:
+        """fn(inputs, *args) over fixed buffers {root, hidden (1, H), pos (1,), at (1,) = first slot
+        written}, compiled if the runner compiles, made once per key; the buffers filled for this call.
+        The capture's writes land in the last `scratch` slots."""
+        if key not in self._static:
+            s, dev = self.book.max_len, self.device
+            inputs = {"root": torch.zeros_like(root, device=dev), "hidden": torch.zeros_like(hidden, device=dev),
+                      "pos": torch.zeros(1, dtype=torch.long, device=dev), "at": torch.tensor([s - scratch], device=dev)}
+            self._static_function(key, fn, inputs, *args)
+        st = self._static[key]
+        st.inputs["root"].copy_(root)
+        st.inputs["hidden"].copy_(hidden)
+        st.inputs["pos"].fill_(position)
+        st.inputs["at"].fill_(start)
+        return st
+
+    @torch.no_grad()
+    def extend_greedy_chain(self, inputs: dict[str, torch.Tensor], steps: int) -> torch.Tensor | None:
+        """An extend over the T rows of `inputs` (forward(inputs, length): causal, then committed) and
+        `steps` greedy draft steps from its last row, as ONE static function: one replay, none of the
+        host work between two. Returns (1 + steps,) target ids (the draft's argmax after the extend,
+        then greedy_chain's), the replay's own buffer (valid until the next call); the chain's rows
+        stay pending. None where T fits no static size (a long prompt's first extend): then forward
+        and greedy_chain do it in two."""
+        t = len(next(iter(inputs.values())))
+        ts = next((s for s in self.sizes if s >= t), None)
+        if not self.static or ts is None or self.pending:
+            return None
+        assert self.length + ts + steps <= self.book.max_len, "reset() with a larger capacity"
+        key = ("extend_chain", ts, tuple(sorted(inputs)), steps)
+        if key not in self._static:
+            buffers = self._static_inputs(ts, inputs, scratch=ts + steps)
+            buffers["last"] = torch.zeros(1, dtype=torch.long, device=self.device)
+            self._static_function(key, self._extend_chain, buffers, steps)
+        st = self._static[key]
+        self._fill(st, inputs, self.length, None, t, ts)
+        st.inputs["last"].fill_(t - 1)
+        tokens, = st.run()
+        self.length, self.pending = self.length + t, steps  # the extend's rows kept, the chain's pending
+        return tokens
+
+    def _extend_chain(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
+        logits, hidden = self._masked_forward({k: v for k, v in feed.items() if k != "last"}, self.book.max_len)
+        last = feed["last"]  # (1,): the extend's last real row
+        root = self.draft.draft_to_target(logits[0].index_select(0, last).argmax(-1))  # (1,)
+        if not steps:
+            return (root,)
+        chain = {"root": root, "hidden": hidden[0].index_select(0, last),
+                 "pos": feed["pos"][0].index_select(0, last) + 1, "at": feed["at"][1:] + last + 1}
+        tokens, = self._greedy_chain(chain, steps)
+        return (torch.cat([root, tokens]),)
+
+    @torch.no_grad()
+    def greedy_chain(self, token: torch.Tensor, hidden: torch.Tensor, position: int, steps: int) -> torch.Tensor:
+        """`steps` greedy draft steps as ONE static function (one compiled graph, one CUDA-graph
+        replay): step i feeds the previous step's argmax token (target id) and hidden state at
+        `position + i`, seeing every slot before its own. token (1,) target id and hidden (1, H) on
+        the device -> (steps,) target ids, the replay's own output buffer (valid until the next call:
+        the decoder concatenates them at once). Writes `steps` pending rows, like `steps` forwards."""
+        start = self.length + self.pending
+        assert self.static and self._kv_made(), "an extend forward first (static runner)"
+        assert self.pending + steps <= self.max_pending + max(self.sizes) and start + steps <= self.book.max_len
+        st = self._one_function(("greedy_chain", steps), self._greedy_chain, steps, root=token, hidden=hidden,
+                                position=position, start=start, scratch=steps)
+        tokens, = st.run()
+        self.pending += steps
+        return tokens
+
+    @torch.no_grad()
+    def tree(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, depth: int, topk: int,
+             budget: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
+        """An EAGLE-2 tree drafted, pruned and masked as ONE static function (one compiled graph, one
+        CUDA-graph replay), from the root's draft logits (Vd,) and hidden state (1, H) at `position`.
+        Returns (the pruned tree, its verify block (n+1, n+1), depth offsets (n+1,)): what
+        tree.expand / frontier_attention / prune / tree_attention give step by step, in the replay's
+        own output buffers (valid until the next call). Writes (depth - 1) * topk pending rows, like
+        depth - 1 frontier forwards."""
+        start, rows = self.length + self.pending, (depth - 1) * topk
+        assert self.static and self._kv_made(), "an extend forward first (static runner)"
+        assert self.pending == 0 and rows <= self.max_pending and start + rows <= self.book.max_len
+        st = self._one_function(("tree", depth, topk, budget), self._tree, depth, topk, budget, root=logits,
+                                hidden=hidden, position=position, start=start, scratch=max(rows, 1))
+        out = st.run()
+        self.pending += rows
+        return DraftTree(*out[:4]), out[4], out[5]
+
+    def _tree(self, feed: dict[str, torch.Tensor], depth: int, topk: int, budget: int) -> tuple[torch.Tensor, ...]:
+        s, dev, start = self.book.max_len, self.device, feed["at"]
+        self.book.view_len = s
+
+        def forward(tokens, h_in, block, rel):  # the round's rows from `start` on, the committed prefix before
+            f = tokens.shape[0]
+            self.book.slots = start + block.shape[1] - f + torch.arange(f, device=dev)
+            logits, h = self.draft(tokens[None], h_in[None], (feed["pos"] + rel)[None], cache=self.kv,
+                                   attn_mask=self._mask(block, start, s))
+            return logits[0], h[0]
+
+        tree = grow(feed["root"], feed["hidden"][0], depth, topk, self.draft.draft_to_target, forward)
+        tree = prune(tree, budget, depth)
+        block, rel = tree_attention(tree, 0, depth)
+        return tree.tokens, tree.parents, tree.depth, tree.scores, block[0, 0], rel
+
+    def _greedy_chain(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
+        s = self.book.max_len
+        cols = torch.arange(s, device=self.device)
+        ids, hidden, out = feed["root"], feed["hidden"], []
+        self.book.view_len = s
+        for i in range(steps):
+            slot = feed["at"] + i
+            self.book.slots = slot
+            mask = (cols <= slot)[None, None, None]  # (1, 1, 1, s): everything written before, and itself
+            logits, h = self.draft(ids[None], hidden[None], (feed["pos"] + i)[None], cache=self.kv, attn_mask=mask)
+            ids = self.draft.draft_to_target(logits[0, -1].argmax()).view(1)
+            hidden = h[0]
+            out.append(ids)
+        return (torch.cat(out),)
