@@ -43,15 +43,15 @@ def test_greedy_equals_target_greedy(llama, seqs, drafts, shape, static):
     assert 1.3 < (sum(accepted) + len(accepted)) / len(accepted) < levels + 1
 
 
-@pytest.mark.parametrize("shape, keys", [(CHAIN, {"greedy_chain", "extend_chain"}), (TREE, {"tree"})],
-                         ids=["chain", "tree"])
+@pytest.mark.parametrize("shape, keys", [(CHAIN, {"greedy_chain", "extend_chain", "sample_chain"}),
+                                         (TREE, {"tree"})], ids=["chain", "tree"])
 def test_one_replay_drafting_drafts_what_step_by_step_drafting_does(llama, seqs, drafts, shape, keys):
     """Static runners draft a greedy chain (DraftRunner.greedy_chain; with the round's extend before it,
-    DraftRunner.extend_greedy_chain), or expand, prune and mask a tree (DraftRunner.tree), as one
-    function; the exact path goes step by step. Greedy output
-    equality cannot see a wrong draft token (the verifier only rejects it), the acceptance of every
-    round can. Sampling too (a tree's candidates are deterministic; a sampled chain is drawn step
-    by step on both paths)."""
+    DraftRunner.extend_greedy_chain), a sampled chain's feedback steps (DraftRunner.sample_chain, given
+    the round's uniform draws), or expand, prune and mask a tree (DraftRunner.tree), as one function; the
+    exact path goes step by step. Greedy output equality cannot see a wrong draft token (the verifier only
+    rejects it), the acceptance of every round can; sampled rounds must match token for token too (a
+    tree's candidates are deterministic)."""
     accepted = []
     for name in ("trained", "perturbed"):
         exact = decode.SpecDecoder(llama, *drafts[name], static_shapes=False, **shape)
@@ -65,6 +65,23 @@ def test_one_replay_drafting_drafts_what_step_by_step_drafting_does(llama, seqs,
         assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, name
         assert keys <= {k[0] for k in one.drafter._static}  # a 9-token prompt's first extend: no fused graph
     assert 0 in accepted and max(accepted) == (shape.get("K") or shape["depth"])  # rejections and full rounds
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.5), SamplingParams(temperature=1.0, top_k=8,
+                                                                                          top_p=0.95)])
+def test_a_sampled_chain_in_one_replay_draws_what_the_steps_draw(llama, seqs, drafts, sampling):
+    """DraftRunner.sample_chain: the K-1 feedback steps of a sampled chain as one static function, each token
+    drawn with the round's uniform draw for its step (acceptance.sample_with), the same tokens and the
+    same acceptance as drafting step by step with the same draws, over prompts and seeds."""
+    exact = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=False, **CHAIN)
+    one = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **CHAIN)
+    drafted = 0
+    for p in prompts(seqs)[:4]:
+        for seed in range(3):
+            a, b = exact.generate(p, 20, sampling, seed=seed), one.generate(p, 20, sampling, seed=seed)
+            assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, (p, seed)
+            drafted += len(b.accepted_per_step)
+    assert drafted > 20 and any(k[0] == "sample_chain" for k in one.drafter._static)
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
@@ -378,11 +395,12 @@ def sample_counts(dec, prompt, sampling, n_tokens, trials):
 SAMPLINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
 
 
-@pytest.mark.parametrize("shape", [dict(mode="chain", K=2), dict(mode="tree", depth=2, topk=2, budget=4)],
-                         ids=["chain", "tree"])
+@pytest.mark.parametrize("shape", [dict(mode="chain", K=2), dict(mode="chain", K=3, static_shapes=True),
+                                   dict(mode="tree", depth=2, topk=2, budget=4)], ids=["chain", "chain-static", "tree"])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-k5-p0.9"])
 def test_sampling_is_lossless(small, shape, sampling):
-    """Tokens 2 and 3 come out of verification steps; their marginals must be the target's."""
+    """Tokens 2 and 3 come out of verification steps; their marginals must be the target's (static shapes: the
+    chain's feedback steps sampled in one replay, DraftRunner.sample_chain)."""
     t, d, meta = small
     prompt = [1, 5, 2]
     exact = exact_marginals(t.model, prompt, sampling, 3)

@@ -88,6 +88,15 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
+def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(V,) probabilities and a uniform draw u (1,) in [0, 1) -> (1,) the token whose slice of the cumulative
+    distribution holds u: drawn from `probs`, with the randomness given rather than drawn inside, so that a
+    static function (a CUDA graph) can sample and an eager path given the same draws picks the same tokens.
+    Never a zero-probability token: the first index whose cumulative mass exceeds u * total."""
+    cdf = probs.float().cumsum(-1)
+    return torch.searchsorted(cdf, u * cdf[-1:], right=True).clamp(max=probs.shape[-1] - 1)
+
+
 def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, list[int]]:
     """Greedy chain verification.
 

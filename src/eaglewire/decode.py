@@ -28,7 +28,7 @@ import torch
 
 from . import attention, projections
 from . import prepack as packing
-from .acceptance import (SamplingParams, logits_to_probs, verify_chain_greedy, verify_chain_sampling,
+from .acceptance import (SamplingParams, logits_to_probs, sample_with, verify_chain_greedy, verify_chain_sampling,
                          verify_tree_greedy, verify_tree_sampling)
 from .draft import grouped_copy
 from .draft_runner import DraftRunner
@@ -338,24 +338,33 @@ class SpecDecoder:
     def _draft_chain(self, logits, hidden, root_pos: int, sampling, gen):
         """K tokens, each fed back with the draft's own hidden state. Returns (chain, q (K, V) or None, None):
         greedy takes the draft's argmax; sampling draws from the draft's distribution (its q goes to
-        the verifier). Tokens stay on the device: no host sync between draft steps."""
-        if sampling.greedy and self.drafter.static:  # the K-1 feedback steps as one replay
+        the verifier) with K uniform draws made first, so that one replay can sample the K-1 feedback
+        steps as the step-by-step path does. Tokens stay on the device: no host sync between draft steps."""
+        K, static = self.spec.K, self.drafter.static
+        if sampling.greedy and static:  # the K-1 feedback steps as one replay
             first = self.draft_ids[logits.argmax().view(1)]  # a 1-d index: a 0-d one is read back (a sync)
-            rest = self.drafter.greedy_chain(first, hidden[None], root_pos + 1, self.spec.K - 1) \
-                if self.spec.K > 1 else first[:0]
+            rest = self.drafter.greedy_chain(first, hidden[None], root_pos + 1, K - 1) if K > 1 else first[:0]
             return DraftTree.chain(torch.cat([first, rest])), None, None
-        tokens, qs = [], []
-        for i in range(self.spec.K):
-            if i:  # token i-1 at position root_pos + i, seeing the round's earlier draft rows (causal)
-                logits, hidden = self.drafter.forward({"ids": tokens[-1], "hidden": hidden[None]}, root_pos + i)
-                logits, hidden = logits[0], hidden[0]
-            if sampling.greedy:
-                tokens.append(self.draft_ids[logits.argmax().view(1)])
-                continue
-            qd = logits_to_probs(logits, sampling)  # (Vd,) over the draft vocabulary
-            tokens.append(self.draft_ids[torch.multinomial(qd, 1, generator=gen)])
-            qs.append(torch.zeros(self.vocab, device=self.device).index_copy_(0, self.draft_ids, qd))
-        q = torch.stack(qs) if qs else None
+        u = None if sampling.greedy else torch.rand(K, generator=gen, device=self.device)
+        if u is not None and static:
+            qd = logits_to_probs(logits, sampling)[None]  # (1, Vd) over the draft vocabulary
+            tokens = [self.draft_ids[sample_with(qd[0], u[:1])]]
+            if K > 1:
+                rest, q_rest = self.drafter.sample_chain(tokens[0], hidden[None], root_pos + 1, K - 1, u[1:], sampling)
+                tokens, qd = tokens + [rest], torch.cat([qd, q_rest])
+        else:
+            tokens, qs = [], []
+            for i in range(K):
+                if i:  # token i-1 at position root_pos + i, seeing the round's earlier draft rows (causal)
+                    logits, hidden = self.drafter.forward({"ids": tokens[-1], "hidden": hidden[None]}, root_pos + i)
+                    logits, hidden = logits[0], hidden[0]
+                if u is None:
+                    tokens.append(self.draft_ids[logits.argmax().view(1)])
+                    continue
+                qs.append(logits_to_probs(logits, sampling))
+                tokens.append(self.draft_ids[sample_with(qs[-1], u[i:i + 1])])
+            qd = torch.stack(qs) if qs else None
+        q = None if qd is None else torch.zeros(K, self.vocab, device=self.device).index_copy_(1, self.draft_ids, qd)
         return DraftTree.chain(torch.cat(tokens)), q, None
 
     def _draft_tree(self, logits, hidden, root_pos: int, sampling, gen):

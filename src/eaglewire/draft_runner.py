@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .acceptance import logits_to_probs, sample_with
 from .kv_slots import DraftSlotCache, Slots
 from .runners import SlotRunner, _Static
 from .tree import DraftTree, grow, prune, tree_attention
@@ -31,18 +32,19 @@ class DraftRunner(SlotRunner):
         return self.draft(inputs["ids"], hidden, pos, cache=self.kv, attn_mask=mask)
 
     def _one_function(self, key: tuple, fn, *args, root: torch.Tensor, hidden: torch.Tensor, position: int,
-                      start: int, scratch: int) -> _Static:
+                      start: int, scratch: int, **more: torch.Tensor) -> _Static:
         """fn(inputs, *args) over fixed buffers {root, hidden (1, H), pos (1,), at (1,) = first slot
-        written}, compiled if the runner compiles, made once per key; the buffers filled for this call.
-        The capture's writes land in the last `scratch` slots."""
+        written, and `more`}, compiled if the runner compiles, made once per key; the buffers filled for
+        this call. The capture's writes land in the last `scratch` slots."""
+        given = {"root": root, "hidden": hidden, **more}
         if key not in self._static:
             s, dev = self.book.max_len, self.device
-            inputs = {"root": torch.zeros_like(root, device=dev), "hidden": torch.zeros_like(hidden, device=dev),
-                      "pos": torch.zeros(1, dtype=torch.long, device=dev), "at": torch.tensor([s - scratch], device=dev)}
+            inputs = {k: torch.zeros_like(t, device=dev) for k, t in given.items()}
+            inputs.update(pos=torch.zeros(1, dtype=torch.long, device=dev), at=torch.tensor([s - scratch], device=dev))
             self._static_function(key, fn, inputs, *args)
         st = self._static[key]
-        st.inputs["root"].copy_(root)
-        st.inputs["hidden"].copy_(hidden)
+        for k, t in given.items():
+            st.inputs[k].copy_(t)
         st.inputs["pos"].fill_(position)
         st.inputs["at"].fill_(start)
         return st
@@ -98,6 +100,39 @@ class DraftRunner(SlotRunner):
         tokens, = st.run()
         self.pending += steps
         return tokens
+
+    @torch.no_grad()
+    def sample_chain(self, token: torch.Tensor, hidden: torch.Tensor, position: int, steps: int, u: torch.Tensor,
+                     sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """`steps` sampled draft steps as ONE static function, as `greedy_chain` but each token drawn from
+        the draft's distribution (acceptance.logits_to_probs under `sampling`) with the uniform draw u[i]
+        (acceptance.sample_with). Returns ((steps,) target ids, (steps, Vd) the distributions they were
+        drawn from), the replay's own buffers (valid until the next call)."""
+        start = self.length + self.pending
+        assert self.static and self._kv_made(), "an extend forward first (static runner)"
+        assert self.pending + steps <= self.max_pending + max(self.sizes) and start + steps <= self.book.max_len
+        st = self._one_function(("sample_chain", steps, sampling), self._sample_chain, steps, sampling, root=token,
+                                hidden=hidden, position=position, start=start, scratch=steps, u=u)
+        tokens, probs = st.run()
+        self.pending += steps
+        return tokens, probs
+
+    def _sample_chain(self, feed: dict[str, torch.Tensor], steps: int, sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.book.max_len
+        cols = torch.arange(s, device=self.device)
+        ids, hidden, out, probs = feed["root"], feed["hidden"], [], []
+        self.book.view_len = s
+        for i in range(steps):
+            slot = feed["at"] + i
+            self.book.slots = slot
+            mask = (cols <= slot)[None, None, None]  # as _greedy_chain's
+            logits, h = self.draft(ids[None], hidden[None], (feed["pos"] + i)[None], cache=self.kv, attn_mask=mask)
+            q = logits_to_probs(logits[0, -1], sampling)
+            ids = self.draft.draft_to_target(sample_with(q, feed["u"][i:i + 1]))
+            hidden = h[0]
+            out.append(ids)
+            probs.append(q)
+        return torch.cat(out), torch.stack(probs)
 
     @torch.no_grad()
     def tree(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, depth: int, topk: int,
