@@ -118,21 +118,12 @@ class DraftRunner(SlotRunner):
         return tokens, probs
 
     def _sample_chain(self, feed: dict[str, torch.Tensor], steps: int, sampling) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.book.max_len
-        cols = torch.arange(s, device=self.device)
-        ids, hidden, out, probs = feed["root"], feed["hidden"], [], []
-        self.book.view_len = s
-        for i in range(steps):
-            slot = feed["at"] + i
-            self.book.slots = slot
-            mask = (cols <= slot)[None, None, None]  # as _greedy_chain's
-            logits, h = self.draft(ids[None], hidden[None], (feed["pos"] + i)[None], cache=self.kv, attn_mask=mask)
-            q = logits_to_probs(logits[0, -1], sampling)
-            ids = self.draft.draft_to_target(sample_with(q, feed["u"][i:i + 1]))
-            hidden = h[0]
-            out.append(ids)
-            probs.append(q)
-        return torch.cat(out), torch.stack(probs)
+        def pick(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            q = logits_to_probs(logits, sampling)
+            return self.draft.draft_to_target(sample_with(q, feed["u"][i:i + 1])), q
+
+        tokens, probs = self._chain(feed, steps, pick)
+        return tokens, torch.stack(probs)
 
     @torch.no_grad()
     def tree(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, depth: int, topk: int,
@@ -169,16 +160,25 @@ class DraftRunner(SlotRunner):
         return tree.tokens, tree.parents, tree.depth, tree.scores, block[0, 0], rel
 
     def _greedy_chain(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
+        tokens, _ = self._chain(feed, steps, lambda logits, i: (self.draft.draft_to_target(logits.argmax()).view(1),
+                                                                None))
+        return (tokens,)
+
+    def _chain(self, feed: dict[str, torch.Tensor], steps: int, pick) -> tuple[torch.Tensor, list]:
+        """`steps` draft steps from feed's root token and hidden state, each at the next position and slot,
+        seeing every slot before its own, fed the token pick(logits (Vd,), step) -> (token (1,), extra)
+        chooses and its own hidden state: ((steps,) tokens, [extra of each step])."""
         s = self.book.max_len
         cols = torch.arange(s, device=self.device)
-        ids, hidden, out = feed["root"], feed["hidden"], []
+        ids, hidden, out, extra = feed["root"], feed["hidden"], [], []
         self.book.view_len = s
         for i in range(steps):
             slot = feed["at"] + i
             self.book.slots = slot
             mask = (cols <= slot)[None, None, None]  # (1, 1, 1, s): everything written before, and itself
             logits, h = self.draft(ids[None], hidden[None], (feed["pos"] + i)[None], cache=self.kv, attn_mask=mask)
-            ids = self.draft.draft_to_target(logits[0, -1].argmax()).view(1)
+            ids, more = pick(logits[0, -1], i)
             hidden = h[0]
             out.append(ids)
-        return (torch.cat(out),)
+            extra.append(more)
+        return torch.cat(out), extra
