@@ -44,6 +44,33 @@ def random_draft(target, out: Path):
     return load_draft(out)
 
 
+def decoder_args(p: argparse.ArgumentParser, new: int, new_help: str) -> None:
+    """What both round benchmarks (this one and round_kernels.py) take: target, draft, device, prompt, shapes."""
+    p.add_argument("--target", default=targets.DEFAULT_TARGET)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--draft", metavar="CKPT")
+    src.add_argument("--random-draft", action="store_true", help="an untrained draft shaped for the target")
+    p.add_argument("--device", default=None)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new", type=int, default=new, help=new_help)
+    p.add_argument("--chain", type=int, default=7)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--budget", type=int, default=63)
+
+
+def load_pair(a, device: torch.device):
+    """(target, draft, meta, prompt ids, {mode name: SpecDecoder shape, None for plain}) from decoder_args."""
+    t = targets.load_target(a.target, device=device)
+    with tempfile.TemporaryDirectory() as tmp:
+        draft, meta = random_draft(t, Path(tmp) / "d") if a.random_draft else load_draft(a.draft)
+    ids = torch.randint(0, t.config.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(0))
+    shapes = {"plain": None, f"chain K={a.chain}": dict(mode="chain", K=a.chain),
+              f"tree d={a.depth} k={a.topk} b={a.budget}": dict(mode="tree", depth=a.depth, topk=a.topk,
+                                                                 budget=a.budget)}
+    return t, draft, meta, ids, shapes
+
+
 def graph_ms(st, iters: int = 50) -> float:
     """GPU milliseconds of one replay of a static function's graph (CUDA events around each replay).
     Its input buffers are put back after every replay: some graphs move their own positions on (the
@@ -177,18 +204,8 @@ def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default=targets.DEFAULT_TARGET)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--draft", metavar="CKPT")
-    src.add_argument("--random-draft", action="store_true", help="an untrained draft shaped for the target")
-    p.add_argument("--device", default=None)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new", type=int, default=128, help="new tokens per timed generation")
+    decoder_args(p, 128, "new tokens per timed generation")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--chain", type=int, default=7)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--budget", type=int, default=63)
     p.add_argument("--no-compile", action="store_true", help="eager forwards inside the graphs")
     p.add_argument("--no-fuse-projections", action="store_true", help="q/k/v and gate/up apart (default: fused "
                    "for targets up to 1B parameters)")
@@ -219,17 +236,11 @@ def main(argv=None) -> int:
         p.error(f"--rounds {a.rounds}: choose from {', '.join(ROUNDS)}")
     arms = [(c, at, r) for c in choices for at in attns for r in rounds]
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    t = targets.load_target(a.target, device=device)
+    t, draft, meta, ids, shapes = load_pair(a, device)
     dtype = next(t.model.parameters()).dtype
-    with tempfile.TemporaryDirectory() as tmp:
-        draft, meta = random_draft(t, Path(tmp) / "d") if a.random_draft else load_draft(a.draft)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, t.config.vocab_size, (a.prompt_len,), generator=gen)
     cuda = device.type == "cuda"
-    common = dict(cuda_graphs=cuda, compile=cuda and not a.no_compile, fuse_projections=False if a.no_fuse_projections else None)
-    shapes = {"plain": None, f"chain K={a.chain}": dict(mode="chain", K=a.chain),
-              f"tree d={a.depth} k={a.topk} b={a.budget}": dict(mode="tree", depth=a.depth, topk=a.topk,
-                                                                 budget=a.budget)}
+    common = dict(cuda_graphs=cuda, compile=cuda and not a.no_compile,
+                  fuse_projections=False if a.no_fuse_projections else None)
     rows, modes = {}, set(a.modes.split(","))
     for name, shape in shapes.items():
         if name.split()[0] not in modes:

@@ -20,7 +20,6 @@ import json
 import platform
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,10 +27,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_steps import random_draft  # noqa: E402
+from decode_steps import decoder_args, load_pair  # noqa: E402
 
-from eaglewire import __version__, targets  # noqa: E402
-from eaglewire.checkpoint import load_draft  # noqa: E402
+from eaglewire import __version__  # noqa: E402
 from eaglewire.decode import SpecDecoder  # noqa: E402
 
 KINDS = (  # the first pattern a kernel's name matches decides its kind
@@ -95,17 +93,7 @@ def by_kind(row: dict) -> dict[str, dict[str, float]]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default=targets.DEFAULT_TARGET)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--draft", metavar="CKPT")
-    src.add_argument("--random-draft", action="store_true", help="an untrained draft shaped for the target")
-    p.add_argument("--device", default=None)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new", type=int, default=64, help="new tokens of the long generation (the short one: a quarter)")
-    p.add_argument("--chain", type=int, default=7)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--budget", type=int, default=63)
+    decoder_args(p, 64, "new tokens of the long generation (the short one: a quarter)")
     p.add_argument("--no-compile", action="store_true", help="eager forwards (the default compiles on CUDA)")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to profile")
     p.add_argument("--top", type=int, default=12, help="kernels listed by time for each mode")
@@ -114,13 +102,7 @@ def main(argv=None) -> int:
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
-    t = targets.load_target(a.target, device=device)
-    with tempfile.TemporaryDirectory() as tmp:
-        draft, meta = random_draft(t, Path(tmp) / "d") if a.random_draft else load_draft(a.draft)
-    ids = torch.randint(0, t.config.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(0))
-    shapes = {"plain": None, f"chain K={a.chain}": dict(mode="chain", K=a.chain),
-              f"tree d={a.depth} k={a.topk} b={a.budget}": dict(mode="tree", depth=a.depth, topk=a.topk,
-                                                                 budget=a.budget)}
+    t, draft, meta, ids, shapes = load_pair(a, device)
     rows = {}
     for name, shape in shapes.items():
         if name.split()[0] not in a.modes.split(","):
