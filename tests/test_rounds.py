@@ -80,6 +80,43 @@ def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts
             make_fx(lambda *v: fn(dict(zip(keys, v)), *extra))(*[buffers[k].clone() for k in keys])
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sampled_chain_rounds_commit_what_synced_sampled_rounds_do(llama, seqs, drafts, monkeypatch, overlap):
+    """A sampled chain on static shapes runs rounds too (SampledChainRounds): speculative sampling's verdict
+    on the device. With the round's uniform draws made in the synced rounds' order, the same seed gives the
+    same tokens and acceptance, round by round (fp32); a round is three replays, two draws and two copies."""
+    from eaglewire.acceptance import SamplingParams
+
+    replays, Ops = launch_counter(monkeypatch)
+    fast = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **CHAIN)
+    synced = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **CHAIN)
+    synced.sample_in_rounds = False
+    fast.rounds_overlap = overlap
+    hot = SamplingParams(temperature=1.2, top_k=12)
+    rounds = fast._sampled_rounds(hot, None)
+    reads, queue = [], rounds.queue
+
+    def counted(count):
+        replays.clear()
+        with Ops() as ops:
+            batch = queue(count)
+        reads.append((count, len(replays), ops.names))
+        return batch
+
+    monkeypatch.setattr(rounds, "queue", counted)
+    drafted = 0
+    for p in prompts(seqs)[:4]:
+        for seed in range(2):
+            a, b = synced.generate(p, 24, hot, seed=seed), fast.generate(p, 24, hot, seed=seed)
+            assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, (p, seed)
+            drafted += len(b.accepted_per_step)
+    assert drafted > 16 and len(reads) > 8
+    for count, replayed, names in reads[1:]:  # (the first made the rounds' static functions)
+        assert replayed == 3 * count, names
+        launched = [n for n in names if n not in ("select", "slice")]
+        assert sorted(launched) == sorted(["uniform_", "uniform_", "copy_", "copy_"] * count), names
+
+
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_overlapped_read_backs_through_pinned_mirrors(llama, seqs, drafts, monkeypatch, shape):
     """On CUDA a batch's verdicts are copied to pinned host mirrors behind its last replay, and read

@@ -125,19 +125,30 @@ def verify_chain_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor 
     if draft_probs is None:  # point-mass proposals: sample the target at every row, accept while equal
         return _first_mismatch(draft_tokens, _sample_rows(target_probs, generator))
     _check_rows(draft_probs, k, "draft_probs")
+    u = torch.rand(k + 1, generator=generator, device=target_probs.device)
+    n, row = chain_sampling_verdict(draft_tokens.to(target_probs.device), draft_probs, target_probs, u)
+    (n,), row = _read_back(n, row)
+    return n, row[:n + 1]
+
+
+def chain_sampling_verdict(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                           u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_chain_sampling`'s rule on the device, with its K + 1 uniform draws given: accept token i while
+    u[i] * q_i(x_i) < p_i(x_i) (probability min(1, p/q); never a token the target cannot emit), then draw
+    the correction from norm(max(p_n - q_n, 0)), or the bonus from p_K, with u[K] (`sample_with`).
+    Returns (n (1,), row (K + 1,)): row[:n] the accepted draft tokens, row[n] the drawn one. No read-back,
+    so a static function (a CUDA graph) can run it."""
+    k = draft_tokens.shape[0]
     idx = draft_tokens.long()[:, None]
     p = target_probs[:k].gather(1, idx).squeeze(1)  # (K,)
     q = draft_probs.gather(1, idx).squeeze(1)  # (K,)
-    u = torch.rand(k, generator=generator, device=target_probs.device)
-    accept = u * q < p  # P = min(1, p/q); never accepts a token the target cannot emit (p = 0)
-    accepted, drafted = _read_back(accept, draft_tokens.to(accept.device))
-    n = next((i for i, a in enumerate(accepted) if not a), k)
-    if n == k:
-        return n, drafted + [int(_sample_rows(target_probs[k:], generator)[0])]
-    residual = (target_probs[n] - draft_probs[n]).clamp(min=0)
-    if not bool(residual.sum() > 0):  # p == q up to rounding: a rejection has probability 0
-        residual = target_probs[n]
-    return n, drafted[:n] + [int(_sample_rows(residual[None], generator)[0])]
+    n = (u[:k] * q < p).long().cumprod(0).sum().view(1)
+    p_n = target_probs.index_select(0, n)[0]
+    q_n = torch.cat([draft_probs, draft_probs[:1] * 0]).index_select(0, n)[0]  # no q after the last: the bonus
+    residual = (p_n - q_n).clamp(min=0)
+    residual = torch.where(residual.sum() > 0, residual, p_n)  # p == q up to rounding: a rejection has probability 0
+    drawn = sample_with(residual, u[k:k + 1])
+    return n, torch.cat([draft_tokens.long(), drawn]).index_copy(0, n, drawn)
 
 
 def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -33,7 +33,7 @@ from .acceptance import (SamplingParams, logits_to_probs, sample_with, verify_ch
 from .draft import grouped_copy
 from .draft_runner import DraftRunner
 from .errors import UsageError
-from .rounds import ROUNDS_AHEAD, ChainRounds, TreeRounds
+from .rounds import ROUNDS_AHEAD, ChainRounds, SampledChainRounds, TreeRounds
 from .runners import TargetRunner
 from .targets import compare_fingerprints, shared_copy
 from .tree import DraftTree, grow, prune, tree_attention
@@ -200,6 +200,9 @@ class SpecDecoder:
         self.rounds_ahead = ROUNDS_AHEAD if p.device.type == "cuda" else 1
         # the next rounds queued before a read-back: on a CPU they would run before it, for nothing
         self.rounds_overlap = p.device.type == "cuda"
+        # sampled chains on static shapes go on without waiting too, one set of rounds per SamplingParams
+        self.sample_in_rounds = self.rounds is not None and s.mode == "chain"
+        self._sampled: dict[SamplingParams, SampledChainRounds] = {}
 
     # -- entry points ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -227,13 +230,14 @@ class SpecDecoder:
     def _rounds(self, feed, sampling: SamplingParams, gen, out: "_Output"):
         """(accepted draft tokens, committed tokens) of each round, for as long as asked. After the first
         round (its extend carries the whole prompt), greedy decoding on static shapes runs rounds.py's
-        rounds: `rounds_ahead` queued, then read back together, with `rounds_overlap` after the next
-        batch is queued. Never more rounds queued than could all be needed before the token limit (each
-        commits at most `rows` tokens, the ones in flight too), so only an EOS wastes any."""
+        rounds, and so does a sampled chain (`sample_in_rounds`): `rounds_ahead` queued, then read back
+        together, with `rounds_overlap` after the next batch is queued. Never more rounds queued than could
+        all be needed before the token limit (each commits at most `rows` tokens, the ones in flight too),
+        so only an EOS wastes any."""
         path, tokens, feed = self._step(feed, sampling, gen)
         yield len(path), tokens
-        if self.rounds is not None and sampling.greedy:
-            r = self.rounds
+        r = self.rounds if sampling.greedy else self._sampled_rounds(sampling, gen)
+        if r is not None:
             r.start(feed)
             flying = None  # a batch queued and not read back
             while True:
@@ -249,6 +253,16 @@ class SpecDecoder:
         while True:
             path, tokens, feed = self._step(feed, sampling, gen)
             yield len(path), tokens
+
+    def _sampled_rounds(self, sampling: SamplingParams, gen) -> SampledChainRounds | None:
+        if not self.sample_in_rounds:
+            return None
+        if sampling not in self._sampled:
+            self._sampled[sampling] = SampledChainRounds(self.drafter, self.verifier, self.spec.K, sampling,
+                                                         self.draft_ids, self.vocab)
+        r = self._sampled[sampling]
+        r.gen = gen
+        return r
 
     @torch.no_grad()
     def generate_plain(self, input_ids, max_new_tokens: int, sampling: SamplingParams = GREEDY, eos_ids=(),

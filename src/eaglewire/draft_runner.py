@@ -85,6 +85,23 @@ class DraftRunner(SlotRunner):
         tokens, = self._greedy_chain(chain, steps)
         return (torch.cat([root, tokens]),)
 
+    def _extend_sample_chain(self, feed: dict[str, torch.Tensor], steps: int, sampling
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_extend_chain` with the chain sampled (rounds.py's sampled rounds): the first token drawn from the
+        draft's distribution after the extend's row `last` with u[0], then `steps` more with u[1:].
+        Returns ((1 + steps,) target ids, (1 + steps, Vd) the distributions they were drawn from)."""
+        u, last = feed["u"], feed["last"]
+        logits, hidden = self._masked_forward({k: v for k, v in feed.items() if k not in ("last", "u")},
+                                              self.book.max_len)
+        q = logits_to_probs(logits[0].index_select(0, last)[0], sampling)
+        root = self.draft.draft_to_target(sample_with(q, u[:1]))
+        if not steps:
+            return root, q[None]
+        chain = {"root": root, "hidden": hidden[0].index_select(0, last), "u": u[1:],
+                 "pos": feed["pos"][0].index_select(0, last) + 1, "at": feed["at"][1:] + last + 1}
+        tokens, probs = self._sample_chain(chain, steps, sampling)
+        return torch.cat([root, tokens]), torch.cat([q[None], probs])
+
     @torch.no_grad()
     def greedy_chain(self, token: torch.Tensor, hidden: torch.Tensor, position: int, steps: int) -> torch.Tensor:
         """`steps` greedy draft steps as ONE static function (one compiled graph, one CUDA-graph

@@ -1,4 +1,5 @@
-"""Greedy speculative rounds that never wait for the host (`SpecDecoder`, static shapes: CUDA graphs).
+"""Speculative rounds that never wait for the host (`SpecDecoder`, static shapes: CUDA graphs): greedy
+chains and trees, and sampled chains.
 
 A round that reads its verdict back leaves the GPU idle from that read-back until the next replay
 starts: the host must learn what was accepted before it can feed the next extend (on the H200, 0.29
@@ -8,8 +9,8 @@ buffers, shared between them:
 
   1. the draft's extend over `rows` rows (the last round's committed tokens and their taps; rows past
      the accepted count are computed and never used) and its drafting from the last committed row: a
-     greedy chain (ChainRounds) or an EAGLE-2 tree (TreeRounds), written as the verify's input, with
-     the draft's position moved past the kept rows;
+     greedy chain (ChainRounds), a sampled one (SampledChainRounds) or an EAGLE-2 tree (TreeRounds),
+     written as the verify's input, with the draft's position moved past the kept rows;
   2. the target's verify (its usual static forward) and, launched by the host, its argmax;
   3. the verdict: what was accepted, the committed tokens written in the round's row, the next
      extend's inputs, the target's position moved on (a tree also moves the accepted branch's K/V).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .acceptance import chain_sampling_verdict, logits_to_probs
 from .draft_runner import DraftRunner
 from .runners import TargetRunner
 
@@ -167,15 +169,73 @@ class ChainRounds(_Rounds):
         greedy chain rule); row i's argmax is the token at position pos[i] + 1."""
         best = feed["best"]
         n = (feed["verify_ids"][0, 1:] == best[:-1]).long().cumprod(0).sum().view(1)
-        row = best[:feed["committed"].shape[1]].view(1, -1)  # the first n + 1 are the round's
-        feed["committed"].index_copy_(0, feed["round"], row)
+        return ChainRounds._commit(feed, best[:feed["committed"].shape[1]], n)
+
+    @staticmethod
+    def _commit(feed: dict[str, torch.Tensor], row: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor]:
+        """A chain round's verdict kept: n accepted, row[:n + 1] committed (the accepted tokens and the one
+        after them), and the next extend's inputs and both positions moved on."""
+        feed["committed"].index_copy_(0, feed["round"], row.view(1, -1))
         feed["accepted"].index_copy_(0, feed["round"], n)
         feed["round"].add_(1)
-        feed["draft_ids"][0].copy_(best)  # the next extend: the accepted tokens and the one after them
+        feed["draft_ids"][0].copy_(row)  # the next extend: the accepted tokens and the one after them
         feed["last"].copy_(n)
         feed["verify_pos"].add_(n + 1)
         feed["verify_at"].add_(n + 1)
         return (n,)
+
+
+class SampledChainRounds(ChainRounds):
+    """Sampled chain-of-K rounds, lossless on the device: the draft's extend and sampled chain
+    (DraftRunner._extend_sample_chain), the verify, the verdict (acceptance.chain_sampling_verdict), three
+    replays; launched by the host, the round's uniform draws (K for the draft before it, K + 1 for the
+    verdict after the verify: the order in which the synced rounds draw them, so the same seed gives the
+    same tokens) and the verify's logits and taps copied in. `gen` is the generation's generator."""
+
+    def __init__(self, drafter: DraftRunner, verifier: TargetRunner, K: int, sampling, draft_ids: torch.Tensor,
+                 vocab: int):
+        _Rounds.__init__(self, drafter, verifier, K + 1, ("sampled_rounds", K + 1, K - 1, sampling),
+                         (K + 1, ("ids",)), ("sampled_verdict", K + 1, sampling))
+        self.K, self.sampling, self.draft_ids, self.vocab = K, sampling, draft_ids, vocab
+        self.gen: torch.Generator | None = None
+
+    def _make(self, taps: torch.Tensor) -> None:
+        v, rows, dev = self.verifier, self.rows, self.verifier.device
+        self._buffers(taps)
+        self.verify["block"].copy_(v._block(None, rows, rows, v.max_pending))  # causal: the chain
+        probs = torch.zeros(self.K, self.draft_ids.numel(), device=dev)
+        self.extend.update(u=torch.zeros(self.K, device=dev), probs=probs)
+        self.verdict.update(verify_pos=self.verify["pos"], u=torch.zeros(self.K + 1, device=dev), probs=probs,
+                            logits=torch.zeros(rows, self.vocab, dtype=taps.dtype, device=dev))
+        self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend, self.K - 1)
+        self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict)
+
+    def _round(self) -> None:
+        self.extend["u"].uniform_(generator=self.gen)  # torch.rand's draws, into the buffer
+        self.draft_st.run()
+        logits, taps = self.verify_st.run()
+        self.verdict["u"].uniform_(generator=self.gen)
+        self.verdict["logits"].copy_(logits[0])
+        self.extend["taps"].copy_(taps)
+        self.verdict_st.run()
+
+    def _draft_round(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
+        """ChainRounds' with the chain sampled, and the distributions its tokens were drawn from kept."""
+        tokens, probs = self.drafter._extend_sample_chain({k: t for k, t in feed.items()
+                                                           if k not in ("verify_ids", "probs")}, steps, self.sampling)
+        feed["probs"].copy_(probs)
+        last = feed["last"]
+        feed["verify_ids"][0].copy_(torch.cat([feed["ids"][0].index_select(0, last), tokens]))
+        feed["pos"].add_(last + 1)
+        feed["at"].add_(last + 1)
+        return (tokens,)
+
+    def _verdict(self, feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        """Speculative sampling's rule (acceptance.chain_sampling_verdict) on the target's distributions."""
+        p = logits_to_probs(feed["logits"], self.sampling)  # (K + 1, V)
+        q = p.new_zeros(self.K, p.shape[1]).index_copy(1, self.draft_ids, feed["probs"])
+        n, row = chain_sampling_verdict(feed["verify_ids"][0, 1:], q, p, feed["u"])
+        return self._commit(feed, row, n)
 
 
 class TreeRounds(_Rounds):
