@@ -117,3 +117,31 @@ def launch_counter(monkeypatch):
 
     monkeypatch.setattr(SlotRunner, "_make_static", marked)
     return replays, Ops
+
+
+def counted_queues(monkeypatch, rounds, replays, Ops) -> list:
+    """[(rounds queued, replays, names of the ops launched outside replays)] of each `rounds.queue` call from
+    now on (launch_counter's replays and Ops)."""
+    reads, queue = [], rounds.queue
+
+    def counted(count):
+        replays.clear()
+        with Ops() as ops:
+            batch = queue(count)
+        reads.append((count, len(replays), ops.names))
+        return batch
+
+    monkeypatch.setattr(rounds, "queue", counted)
+    return reads
+
+
+def same_samples(a, b, sampling, ps, seeds: int, new: int) -> int:
+    """Decoders a and b give the same tokens and acceptance for every prompt and seed; the rounds compared."""
+    rounds = 0
+    for p in ps:
+        for seed in range(seeds):
+            x, y = a.generate(p, new, sampling, seed=seed), b.generate(p, new, sampling, seed=seed)
+            assert x.tokens == y.tokens and x.accepted_per_step == y.accepted_per_step, (p, seed)
+            rounds += len(y.accepted_per_step)
+    return rounds
+

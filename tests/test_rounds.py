@@ -6,7 +6,7 @@ import torch
 
 import eaglewire.decode as decode
 import eaglewire.runners as runners
-from decoding import CHAIN, TREE, launch_counter, prompts, reference_greedy
+from decoding import CHAIN, TREE, counted_queues, launch_counter, prompts, reference_greedy, same_samples
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,16 +28,7 @@ def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts
     synced = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
     synced.rounds = None
     fast.rounds_ahead, fast.rounds_overlap = ahead, overlap
-    reads, queue = [], fast.rounds.queue
-
-    def counted(count):
-        replays.clear()
-        with Ops() as ops:
-            batch = queue(count)
-        reads.append((count, len(replays), ops.names))
-        return batch
-
-    monkeypatch.setattr(fast.rounds, "queue", counted)
+    reads = counted_queues(monkeypatch, fast.rounds, replays, Ops)
 
     def wasted(generate):  # rounds computed past the end of a generation
         before = sum(count for count, _, _ in reads)
@@ -93,24 +84,8 @@ def test_sampled_chain_rounds_commit_what_synced_sampled_rounds_do(llama, seqs, 
     synced.sample_in_rounds = False
     fast.rounds_overlap = overlap
     hot = SamplingParams(temperature=1.2, top_k=12)
-    rounds = fast._sampled_rounds(hot, None)
-    reads, queue = [], rounds.queue
-
-    def counted(count):
-        replays.clear()
-        with Ops() as ops:
-            batch = queue(count)
-        reads.append((count, len(replays), ops.names))
-        return batch
-
-    monkeypatch.setattr(rounds, "queue", counted)
-    drafted = 0
-    for p in prompts(seqs)[:4]:
-        for seed in range(2):
-            a, b = synced.generate(p, 24, hot, seed=seed), fast.generate(p, 24, hot, seed=seed)
-            assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, (p, seed)
-            drafted += len(b.accepted_per_step)
-    assert drafted > 16 and len(reads) > 8
+    reads = counted_queues(monkeypatch, fast._sampled_rounds(hot, None), replays, Ops)
+    assert same_samples(synced, fast, hot, prompts(seqs)[:4], seeds=2, new=24) > 16 and len(reads) > 8
     for count, replayed, names in reads[1:]:  # (the first made the rounds' static functions)
         assert replayed == 3 * count, names
         launched = [n for n in names if n not in ("select", "slice")]

@@ -74,33 +74,29 @@ class DraftRunner(SlotRunner):
         self.length, self.pending = self.length + t, steps  # the extend's rows kept, the chain's pending
         return tokens
 
-    def _extend_chain(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
-        logits, hidden = self._masked_forward({k: v for k, v in feed.items() if k != "last"}, self.book.max_len)
+    def _extend_chain(self, feed: dict[str, torch.Tensor], steps: int, sampling=None) -> tuple[torch.Tensor, ...]:
+        """The extend's forward, then the chain from its row `last`: greedy (sampling None), or sampled (rounds.py's
+        sampled rounds: the first token drawn from the draft's distribution there with feed["u"][0], `steps`
+        more with u[1:]). Returns ((1 + steps,) target ids,) and, sampled, the (1 + steps, Vd) distributions
+        they were drawn from."""
         last = feed["last"]  # (1,): the extend's last real row
-        root = self.draft.draft_to_target(logits[0].index_select(0, last).argmax(-1))  # (1,)
-        if not steps:
-            return (root,)
-        chain = {"root": root, "hidden": hidden[0].index_select(0, last),
-                 "pos": feed["pos"][0].index_select(0, last) + 1, "at": feed["at"][1:] + last + 1}
-        tokens, = self._greedy_chain(chain, steps)
-        return (torch.cat([root, tokens]),)
-
-    def _extend_sample_chain(self, feed: dict[str, torch.Tensor], steps: int, sampling
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_extend_chain` with the chain sampled (rounds.py's sampled rounds): the first token drawn from the
-        draft's distribution after the extend's row `last` with u[0], then `steps` more with u[1:].
-        Returns ((1 + steps,) target ids, (1 + steps, Vd) the distributions they were drawn from)."""
-        u, last = feed["u"], feed["last"]
         logits, hidden = self._masked_forward({k: v for k, v in feed.items() if k not in ("last", "u")},
                                               self.book.max_len)
-        q = logits_to_probs(logits[0].index_select(0, last)[0], sampling)
-        root = self.draft.draft_to_target(sample_with(q, u[:1]))
+        row = logits[0].index_select(0, last)
+        if sampling is None:
+            root, q = self.draft.draft_to_target(row.argmax(-1)), None  # (1,)
+        else:
+            q = logits_to_probs(row, sampling)  # (1, Vd)
+            root = self.draft.draft_to_target(sample_with(q[0], feed["u"][:1]))
         if not steps:
-            return root, q[None]
-        chain = {"root": root, "hidden": hidden[0].index_select(0, last), "u": u[1:],
+            return (root,) if q is None else (root, q)
+        chain = {"root": root, "hidden": hidden[0].index_select(0, last),
                  "pos": feed["pos"][0].index_select(0, last) + 1, "at": feed["at"][1:] + last + 1}
-        tokens, probs = self._sample_chain(chain, steps, sampling)
-        return torch.cat([root, tokens]), torch.cat([q[None], probs])
+        if q is None:
+            tokens, = self._greedy_chain(chain, steps)
+            return (torch.cat([root, tokens]),)
+        tokens, probs = self._sample_chain({**chain, "u": feed["u"][1:]}, steps, sampling)
+        return torch.cat([root, tokens]), torch.cat([q, probs])
 
     @torch.no_grad()
     def greedy_chain(self, token: torch.Tensor, hidden: torch.Tensor, position: int, steps: int) -> torch.Tensor:

@@ -187,7 +187,7 @@ class ChainRounds(_Rounds):
 
 class SampledChainRounds(ChainRounds):
     """Sampled chain-of-K rounds, lossless on the device: the draft's extend and sampled chain
-    (DraftRunner._extend_sample_chain), the verify, the verdict (acceptance.chain_sampling_verdict), three
+    (DraftRunner._extend_chain, sampled), the verify, the verdict (acceptance.chain_sampling_verdict), three
     replays; launched by the host, the round's uniform draws (K for the draft before it, K + 1 for the
     verdict after the verify: the order in which the synced rounds draw them, so the same seed gives the
     same tokens) and the verify's logits and taps copied in. `gen` is the generation's generator."""
@@ -221,8 +221,8 @@ class SampledChainRounds(ChainRounds):
 
     def _draft_round(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
         """ChainRounds' with the chain sampled, and the distributions its tokens were drawn from kept."""
-        tokens, probs = self.drafter._extend_sample_chain({k: t for k, t in feed.items()
-                                                           if k not in ("verify_ids", "probs")}, steps, self.sampling)
+        tokens, probs = self.drafter._extend_chain({k: t for k, t in feed.items() if k not in ("verify_ids", "probs")},
+                                                   steps, self.sampling)
         feed["probs"].copy_(probs)
         last = feed["last"]
         feed["verify_ids"][0].copy_(torch.cat([feed["ids"][0].index_select(0, last), tokens]))
