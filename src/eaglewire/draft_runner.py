@@ -105,13 +105,8 @@ class DraftRunner(SlotRunner):
         `position + i`, seeing every slot before its own. token (1,) target id and hidden (1, H) on
         the device -> (steps,) target ids, the replay's own output buffer (valid until the next call:
         the decoder concatenates them at once). Writes `steps` pending rows, like `steps` forwards."""
-        start = self.length + self.pending
-        assert self.static and self._kv_made(), "an extend forward first (static runner)"
-        assert self.pending + steps <= self.max_pending + max(self.sizes) and start + steps <= self.book.max_len
-        st = self._one_function(("greedy_chain", steps), self._greedy_chain, steps, root=token, hidden=hidden,
-                                position=position, start=start, scratch=steps)
-        tokens, = st.run()
-        self.pending += steps
+        tokens, = self._chain_replay(("greedy_chain", steps), self._greedy_chain, (steps,), token, hidden, position,
+                                     steps)
         return tokens
 
     @torch.no_grad()
@@ -121,14 +116,20 @@ class DraftRunner(SlotRunner):
         the draft's distribution (acceptance.logits_to_probs under `sampling`) with the uniform draw u[i]
         (acceptance.sample_with). Returns ((steps,) target ids, (steps, Vd) the distributions they were
         drawn from), the replay's own buffers (valid until the next call)."""
+        return self._chain_replay(("sample_chain", steps, sampling), self._sample_chain, (steps, sampling), token,
+                                  hidden, position, steps, u=u)
+
+    def _chain_replay(self, key: tuple, fn, args: tuple, token: torch.Tensor, hidden: torch.Tensor, position: int,
+                      steps: int, **more: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A chain's `steps` draft steps after the pending rows, as the static function `key`, replayed."""
         start = self.length + self.pending
         assert self.static and self._kv_made(), "an extend forward first (static runner)"
         assert self.pending + steps <= self.max_pending + max(self.sizes) and start + steps <= self.book.max_len
-        st = self._one_function(("sample_chain", steps, sampling), self._sample_chain, steps, sampling, root=token,
-                                hidden=hidden, position=position, start=start, scratch=steps, u=u)
-        tokens, probs = st.run()
+        st = self._one_function(key, fn, *args, root=token, hidden=hidden, position=position, start=start,
+                                scratch=steps, **more)
+        out = st.run()
         self.pending += steps
-        return tokens, probs
+        return out
 
     def _sample_chain(self, feed: dict[str, torch.Tensor], steps: int, sampling) -> tuple[torch.Tensor, torch.Tensor]:
         def pick(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -143,8 +143,12 @@ class ChainRounds(_Rounds):
         self._buffers(taps)
         self.verify["block"].copy_(v._block(None, rows, rows, v.max_pending))  # causal: the chain
         self.verdict["verify_pos"] = self.verify["pos"]
+        self._more_buffers(taps)
         self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend, self.K - 1)
         self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict)
+
+    def _more_buffers(self, taps: torch.Tensor) -> None:
+        """What a kind of chain round needs besides the common buffers (a greedy one: nothing)."""
 
     def _round(self) -> None:
         self.draft_st.run()
@@ -199,16 +203,13 @@ class SampledChainRounds(ChainRounds):
         self.K, self.sampling, self.draft_ids, self.vocab = K, sampling, draft_ids, vocab
         self.gen: torch.Generator | None = None
 
-    def _make(self, taps: torch.Tensor) -> None:
-        v, rows, dev = self.verifier, self.rows, self.verifier.device
-        self._buffers(taps)
-        self.verify["block"].copy_(v._block(None, rows, rows, v.max_pending))  # causal: the chain
+    def _more_buffers(self, taps: torch.Tensor) -> None:
+        """The round's uniform draws, the draft's distributions and the verify's logits."""
+        dev = self.verifier.device
         probs = torch.zeros(self.K, self.draft_ids.numel(), device=dev)
         self.extend.update(u=torch.zeros(self.K, device=dev), probs=probs)
-        self.verdict.update(verify_pos=self.verify["pos"], u=torch.zeros(self.K + 1, device=dev), probs=probs,
-                            logits=torch.zeros(rows, self.vocab, dtype=taps.dtype, device=dev))
-        self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend, self.K - 1)
-        self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict)
+        self.verdict.update(u=torch.zeros(self.K + 1, device=dev), probs=probs,
+                            logits=torch.zeros(self.rows, self.vocab, dtype=taps.dtype, device=dev))
 
     def _round(self) -> None:
         self.extend["u"].uniform_(generator=self.gen)  # torch.rand's draws, into the buffer
