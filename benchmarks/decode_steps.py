@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eaglewire import __version__, attention, targets
+from eaglewire import __version__, attention, targets, tree
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.decode import SpecDecoder
 from eaglewire.draft import DraftConfig, Eagle3Draft
@@ -144,29 +144,39 @@ MATMUL_ROWS = 64  # --attention matmul: grouped, with verifies of up to this man
 ROUNDS = ("on", "batched", "off")
 
 
+# the tree's selections: as shipped (orders by ranking, top-k in two stages: tree.RANK_SORT_MAX, tree.TOPK_GROUP) or
+# aten's sort and top-k as they are
+TREE_SELECT = {"ours": (tree.RANK_SORT_MAX, tree.TOPK_GROUP), "aten": (0, 0)}
+
+
 @contextlib.contextmanager
-def matmul_rows(n: int):
-    """attention.MATMUL_MAX_ROWS set to n meanwhile: read when a forward is traced (compiled), at each call
-    eager."""
-    shipped = attention.MATMUL_MAX_ROWS
-    attention.MATMUL_MAX_ROWS = n
+def shipped_as(arm: dict):
+    """The module constants an arm sets (attention.MATMUL_MAX_ROWS, tree.RANK_SORT_MAX, tree.TOPK_GROUP) set so
+    meanwhile: they are read when a function is traced (compiled), at each call eager."""
+    names = {"rows": (attention, "MATMUL_MAX_ROWS"), "rank": (tree, "RANK_SORT_MAX"), "group": (tree, "TOPK_GROUP")}
+    shipped = {k: getattr(*names[k]) for k in arm}
     try:
+        for k, v in arm.items():
+            setattr(*names[k], v)
         yield
     finally:
-        attention.MATMUL_MAX_ROWS = shipped
+        for k, v in shipped.items():
+            setattr(*names[k], v)
 
 
-def warmed(make, choice: str, attn: str, rounds: str, ids: torch.Tensor, new: int, plain: bool) -> SpecDecoder:
+def warmed(make, choice: str, attn: str, rounds: str, select: str, ids: torch.Tensor, new: int, plain: bool
+           ) -> SpecDecoder:
     """A decoder built and warmed up (every size this prompt meets compiled and captured) under one
-    autotuning choice (runners bind it when they create their compiled functions, during the warm-up)
-    and one attention."""
+    autotuning choice (runners bind it when they create their compiled functions, during the warm-up),
+    one attention and one way of selecting the tree's nodes."""
     shipped = TargetRunner.autotune, DraftRunner.autotune
     TargetRunner.autotune, DraftRunner.autotune = CHOICES[choice]
-    rows = MATMUL_ROWS if attn == "matmul" else attention.MATMUL_MAX_ROWS
+    rank, group = TREE_SELECT[select]
+    arm = {"rows": MATMUL_ROWS if attn == "matmul" else attention.MATMUL_MAX_ROWS, "rank": rank, "group": group}
     try:
-        with matmul_rows(rows):
+        with shipped_as(arm):
             dec = make(grouped_attention=ATTENTION[attn])
-            dec.bench_matmul_rows = rows  # measure() runs it so again
+            dec.bench_arm = arm  # measure() runs it so again
             if rounds == "off":
                 dec.rounds = None
             dec.rounds_overlap = dec.rounds_overlap and rounds == "on"
@@ -181,7 +191,7 @@ def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: 
     results = {k: [] for k in decs}
     for _ in range(repeats):
         for k, dec in decs.items():
-            with matmul_rows(dec.bench_matmul_rows):
+            with shipped_as(dec.bench_arm):
                 results[k].append((dec.generate_plain if plain else dec.generate)(ids, new))
     rows = {}
     for k, dec in decs.items():
@@ -192,7 +202,7 @@ def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: 
         if dec.device.type == "cuda":
             runners = [dec.plain] if plain else [dec.drafter, dec.verifier]
             run = dec.generate_plain if plain else dec.generate
-            with matmul_rows(dec.bench_matmul_rows):
+            with shipped_as(dec.bench_arm):
                 per_round, _ = replays_per_round(runners, lambda: run(ids, new))
             graphs = {f"{type(r).__name__}{key}": st for r in runners for key, st in replays(r).items()}
             row["graphs"] = {key: graph_ms(st) for key, st in graphs.items() if key in per_round}
@@ -221,6 +231,9 @@ def main(argv=None) -> int:
                    help="greedy chains and trees: on (as shipped: rounds that never wait for the host, rounds.py, "
                    "the next batch queued before a read-back), batched (without that overlap) or off (every "
                    "verdict read back); on,batched,off times each in turn")
+    p.add_argument("--tree-select", default="ours", metavar="CHOICES",
+                   help="how a tree's round orders scores and takes the draft's top-k: ours (as shipped: ranking, "
+                   "top-k in two stages) or aten (its sort and top-k); ours,aten times each in turn")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
@@ -234,7 +247,10 @@ def main(argv=None) -> int:
     rounds = a.rounds.split(",")
     if not set(rounds) <= set(ROUNDS):
         p.error(f"--rounds {a.rounds}: choose from {', '.join(ROUNDS)}")
-    arms = [(c, at, r) for c in choices for at in attns for r in rounds]
+    selects = a.tree_select.split(",")
+    if not set(selects) <= set(TREE_SELECT):
+        p.error(f"--tree-select {a.tree_select}: choose from {', '.join(TREE_SELECT)}")
+    arms = [(c, at, r, ts) for c in choices for at in attns for r in rounds for ts in selects]
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t, draft, meta, ids, shapes = load_pair(a, device)
     dtype = next(t.model.parameters()).dtype
@@ -248,8 +264,9 @@ def main(argv=None) -> int:
         def make(shape=shape, **kw):
             return SpecDecoder(t, None if shape is None else draft, None if shape is None else meta, **(shape or {}),
                                **common, **kw)
-        decs = {"/".join((c, at) + ((f"rounds {r}",) if len(rounds) > 1 else ())):
-                warmed(make, c, at, r, ids, a.new, plain=shape is None) for c, at, r in arms}
+        decs = {"/".join((c, at) + ((f"rounds {r}",) if len(rounds) > 1 else ())
+                         + ((f"select {ts}",) if len(selects) > 1 else ())):
+                warmed(make, c, at, r, ts, ids, a.new, plain=shape is None) for c, at, r, ts in arms}
         for arm, row in measure(decs, ids, a.new, a.repeats, plain=shape is None).items():
             rows[name if len(arms) == 1 else f"{name} [{arm}]"] = row
         dec = next(iter(decs.values()))

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from eaglewire import tree as tree_mod
 from eaglewire.targets import cache_kwarg
 from eaglewire.tree import (ROOT, DraftTree, expand, frontier_attention, prune, retrieve_paths,
                             root_frontier, tree_attention)
@@ -228,3 +229,31 @@ def test_frontier_forwards_on_a_real_model_equal_decoding_each_path():
                 ref = model(input_ids=torch.cat([prefix, tree.tokens[path]])[None]).logits[0, -1]
                 torch.testing.assert_close(out[r], ref, atol=1e-4, rtol=1e-4)
             cached = torch.cat([cached, nodes])
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 64, 392])
+def test_stable_order_by_ranking_equals_a_stable_sort(n):
+    """The ranking order (a round's sorts on the GPU, tree.stable_order) is aten's stable sort: ties to the lower
+    index, -inf and +inf included, and integer keys (prune's depth order)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-4, 4, (n,), generator=g).float()  # many ties
+    x[torch.rand(n, generator=g) < 0.1] = float("-inf")
+    x[torch.rand(n, generator=g) < 0.05] = float("inf")
+    want = torch.sort(x, stable=True).indices
+    assert torch.equal(tree_mod.stable_order(x), want)
+    assert torch.equal(tree_mod.stable_order(x.long().clamp(-9, 9) * n + torch.arange(n)),
+                       torch.sort(x.long().clamp(-9, 9) * n + torch.arange(n), stable=True).indices)
+
+
+@pytest.mark.parametrize("vocab,k", [(49152, 8), (1000, 10), (1003, 3), (64, 64)])
+def test_top_k_in_two_stages_equals_aten(vocab, k, monkeypatch):
+    """tree.top_k (the draft's candidates: the top k of each group, then of those) gives torch.topk's values and,
+    without ties, its indices; a vocabulary that is no whole number of groups is padded, never indexed past."""
+    monkeypatch.setattr(tree_mod, "TOPK_GROUP", 1024 if vocab > 10000 else 16)
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(8, vocab, generator=g).log_softmax(-1)
+    values, idx = tree_mod.top_k(x, k)
+    want_values, want_idx = x.topk(k, dim=-1)
+    assert torch.equal(values, want_values) and torch.equal(idx, want_idx)
+    x[:, 1:] = float("-inf")  # fewer than k candidates above -inf: indices stay in the vocabulary
+    assert int(tree_mod.top_k(x, k)[1].max()) < vocab and torch.equal(tree_mod.top_k(x, k)[0][:, 0], x[:, 0])

@@ -46,6 +46,42 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.long, device=x.device)
 
 
+# Orders of up to this many scores (a level's candidates, the grown tree before pruning) are found by ranking every
+# pair: a few kernels that a compiled round fuses, where aten's stable sort is a cub radix sort of several launches
+# (14 sorts in a d7 k8 tree round, thirteenth-run profile). 0 = aten's sort always.
+RANK_SORT_MAX = 1024
+# A draft's top-k over its vocabulary goes in two stages when the rows are longer than two groups: the top k of each
+# group of TOPK_GROUP logits, then the top k of those. aten's top-k of a few long rows is a multi-block radix select
+# (4 passes of ~4 kernels each at 49,152 entries, thirteenth-run profile); of many short rows it is one kernel.
+# 0 = aten's top-k as is. Both together took a d7 k8 b63 round on an H200 from 2.765 to 2.610 ms (thirteenth run,
+# `decode_steps.py --tree-select ours,aten`).
+TOPK_GROUP = 1024
+
+
+def stable_order(x: torch.Tensor) -> torch.Tensor:
+    """argsort_stable(x) (ascending, ties to the lower index), by ranking when x is short."""
+    n = x.shape[0]
+    if n > RANK_SORT_MAX:
+        return argsort_stable(x)
+    i = torch.arange(n, device=x.device)
+    before = (x[None, :] < x[:, None]) | ((x[None, :] == x[:, None]) & (i[None, :] < i[:, None]))  # [a, b]: b first
+    return torch.empty_like(i).scatter_(0, before.sum(1), i)
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(k, dim=-1) of (F, V) rows: the same values, best first (where values tie, the indices may differ)."""
+    f, v = x.shape
+    g = TOPK_GROUP
+    if not g or v <= 2 * g or k > g:
+        return x.topk(k, dim=-1)
+    groups = -(-v // g)
+    padded = torch.nn.functional.pad(x, (0, groups * g - v), value=float("-inf"))
+    values, idx = padded.view(f, groups, g).topk(k, dim=-1)  # (F, G, k)
+    idx = idx + torch.arange(groups, device=x.device)[:, None] * g
+    top, at = values.reshape(f, -1).topk(k, dim=-1)
+    return top, idx.reshape(f, -1).gather(1, at).clamp(max=v - 1)  # a padding slot only if a row has < k above -inf
+
+
 _CHAINS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -141,7 +177,7 @@ def expand(tree: DraftTree, frontier: torch.Tensor, cand_tokens: torch.Tensor, c
         depth=torch.cat([tree.depth, (parent_depth + 1).long().repeat_interleave(k)]),
         scores=torch.cat([tree.scores, scores]),
     )
-    best = argsort_stable(-scores)[:topk]  # stable: ties go to the lower index
+    best = stable_order(-scores)[:topk]  # stable: ties go to the lower index
     return grown, tree.num_nodes + best
 
 
@@ -162,7 +198,7 @@ def grow(root_logits: torch.Tensor, root_hidden: torch.Tensor, depth: int, topk:
     cached = torch.zeros(0, dtype=torch.long, device=dev)  # nodes the draft has run on, in order
     logp = root_logits.float().log_softmax(-1)[None]  # (F, Vd), F = 1: the root
     for level in range(depth):
-        top, idx = logp.topk(topk, dim=-1)  # (F, k)
+        top, idx = top_k(logp, topk)  # (F, k)
         tree, frontier = expand(tree, frontier, to_target(idx), top, topk)
         if level == depth - 1:
             break
@@ -210,8 +246,8 @@ def prune(tree: DraftTree, budget: int, max_depth: int | None = None) -> DraftTr
     table = ancestor_table(tree, max_depth)  # (n, D)
     inf = torch.tensor(float("inf"), device=tree.device)
     path_min = torch.where(table >= 0, tree.scores[table.clamp(min=0)], inf).amin(dim=1) if n else tree.scores
-    top = argsort_stable(-path_min)[:budget]  # (keep,)
-    kept = top[argsort_stable(tree.depth[top] * n + top)]  # depth order, then original order
+    top = stable_order(-path_min)[:budget]  # (keep,)
+    kept = top[stable_order(tree.depth[top] * n + top)]  # depth order, then original order
     remap = torch.full((n,), ROOT, dtype=torch.long, device=tree.device)
     remap[kept] = torch.arange(kept.shape[0], device=tree.device)
     par = tree.parents[kept]
