@@ -126,14 +126,16 @@ def cmd_generate(args) -> int:
     stream = TextStream(target.tokenizer)
     res = dec.generate(ids, args.max_new_tokens, sampling, eos_ids(target), stream=stream, seed=args.seed)
     stream.close()
-    print(summary(res, shape if draft is not None else None), file=sys.stderr)
+    print(summary(res, shape if draft is not None else None, compiled=args.compile), file=sys.stderr)
     return 0
 
 
-def summary(res, shape: dict | None) -> str:
+def summary(res, shape: dict | None, compiled: bool = False) -> str:
     t = res.timings
+    # one generation is the first run: --compile's minutes of compiling land in its timings
     line = (f"eaglewire generate: {len(res.tokens)} tokens ({res.stop}), prefill {t['prefill_s'] * 1e3:.0f} ms, "
-            f"decode {t['decode_tokens_per_s']:.1f} tok/s, {res.num_steps} target steps")
+            f"decode {t['decode_tokens_per_s']:.1f} tok/s{' (compiling included)' if compiled else ''}, "
+            f"{res.num_steps} target steps")
     if shape is None:
         return line + ", no speculation"
     what = f"chain K={shape['K']}" if shape["mode"] == "chain" else \
