@@ -22,6 +22,7 @@ from eaglewire.checkpoint import save_draft
 from eaglewire.cli import main
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.errors import UsageError
+from eaglewire.shapes import format_shapes
 from eaglewire.taps import TapContract
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
@@ -310,6 +311,12 @@ def test_bench_shapes_times_each_shape_against_one_base_run(shift, prompt_file, 
     assert (f"--format sglang --num-steps {a['num_steps']} --topk {a['topk']} --draft-tokens {a['draft_tokens']}"
             in table)
     assert r["settings"]["draft"][2] == {"mode": "tree", "depth": 2, "topk": 2, "budget": 3}
+    assert "judged in fp32 only" not in table
+    for check in [r["base_check"]] + [row["greedy_check"] for row in r["shapes"]]:  # as a bf16 run reports them
+        check.update(ok=None, mismatches=[{"run": "spec", "prompt": 0, "position": 3}])
+    r["settings"]["dtype"] = "bf16"
+    bf16 = format_shapes(r)
+    assert "differs" in bf16 and "greedy: in bf16 a run may differ from hf where kernels round differently" in bf16
 
 
 def test_shapes_that_sglang_cannot_express():

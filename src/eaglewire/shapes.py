@@ -138,6 +138,10 @@ def format_shapes(r: dict) -> str:
                      f"{or_dash(row['acceptance']['acceptance_length'], '.2f'):>8}{row['spec/base']:>7.2f}x"
                      f"{or_dash(row['spec/hf'], '.2f') + 'x' if row['spec/hf'] else '-':>7}  "
                      f"{_verdict(row['greedy_check']):<8}{_sglang_flags(row['engines']['sglang'])}")
+    checks = [r["base_check"]] + [row["greedy_check"] for row in r["shapes"]]
+    if any(c is not None and c["ok"] is None and c["mismatches"] for c in checks):
+        lines.append(f"greedy: in {s['dtype']} a run may differ from {checks[-1]['reference']} where kernels round "
+                     "differently; tokens are judged in fp32 only")
     best = next(row for row in r["shapes"] if row["shape"] == r["fastest"])
     lines.append(f"fastest here: {best['shape']}, {best['tokens_per_s']:.1f} tok/s ({best['spec/base']:.2f}x without a "
                  f"draft, acceptance {best['acceptance']['acceptance_length']:.2f})")
