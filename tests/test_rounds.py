@@ -72,24 +72,34 @@ def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_sampled_chain_rounds_commit_what_synced_sampled_rounds_do(llama, seqs, drafts, monkeypatch, overlap):
-    """A sampled chain on static shapes runs rounds too (SampledChainRounds): speculative sampling's verdict
-    on the device. With the round's uniform draws made in the synced rounds' order, the same seed gives the
-    same tokens and acceptance, round by round (fp32); a round is three replays, two draws and two copies."""
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_sampled_rounds_commit_what_synced_sampled_rounds_do(llama, seqs, drafts, monkeypatch, shape, overlap):
+    """Sampling on static shapes runs rounds too, its verdict on the device: speculative sampling's for a chain
+    (SampledChainRounds), the tree walk with a draw at each row for a tree (SampledTreeRounds). With the
+    round's uniform draws made in the synced rounds' order, the same seed gives the same tokens and
+    acceptance, round by round (fp32). A chain round is three replays, two draws and two copies; a tree
+    round four replays, one draw, the logits' copy and the taps' gather."""
     from eaglewire.acceptance import SamplingParams
 
     replays, Ops = launch_counter(monkeypatch)
-    fast = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **CHAIN)
-    synced = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **CHAIN)
+    fast = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **shape)
+    synced = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **shape)
     synced.sample_in_rounds = False
     fast.rounds_overlap = overlap
     hot = SamplingParams(temperature=1.2, top_k=12)
     reads = counted_queues(monkeypatch, fast._sampled_rounds(hot, None), replays, Ops)
     assert same_samples(synced, fast, hot, prompts(seqs)[:4], seeds=2, new=24) > 16 and len(reads) > 8
+    tree = shape is TREE
     for count, replayed, names in reads[1:]:  # (the first made the rounds' static functions)
-        assert replayed == 3 * count, names
+        assert replayed == (4 if tree else 3) * count, names
         launched = [n for n in names if n not in ("select", "slice")]
-        assert sorted(launched) == sorted(["uniform_", "uniform_", "copy_", "copy_"] * count), names
+        each = ["uniform_", "copy_", "index_select"] if tree else ["uniform_", "uniform_", "copy_", "copy_"]
+        assert sorted(launched) == sorted(each * count), names
+    from torch.fx.experimental.proxy_tensor import make_fx  # the verdict is a CUDA graph on a GPU: no read-back
+    r = fast._sampled_rounds(hot, None)
+    keys, extra = sorted(r.verdict), (fast.spec.depth,) if tree else ()
+    with torch.no_grad():
+        make_fx(lambda *v: r._verdict(dict(zip(keys, v)), *extra))(*[r.verdict[k].clone() for k in keys])
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])

@@ -92,9 +92,11 @@ def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """(V,) probabilities and a uniform draw u (1,) in [0, 1) -> (1,) the token whose slice of the cumulative
     distribution holds u: drawn from `probs`, with the randomness given rather than drawn inside, so that a
     static function (a CUDA graph) can sample and an eager path given the same draws picks the same tokens.
-    Never a zero-probability token: the first index whose cumulative mass exceeds u * total."""
+    Never a zero-probability token: the first index whose cumulative mass exceeds u * total. Rows (R, V) with
+    draws (R,) give (R,): a token a row."""
     cdf = probs.float().cumsum(-1)
-    return torch.searchsorted(cdf, u * cdf[-1:], right=True).clamp(max=probs.shape[-1] - 1)
+    at = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return at.clamp(max=probs.shape[-1] - 1)
 
 
 def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, list[int]]:
@@ -181,8 +183,9 @@ def _check_rows(t: torch.Tensor, rows: int, name: str) -> None:
 
 
 def _sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """(R, V) probabilities -> (R,) one independent sample per row."""
-    return torch.multinomial(probs.float(), 1, generator=generator).squeeze(1)
+    """(R, V) probabilities -> (R,) one independent sample per row: R uniform draws in row order, as the rounds
+    that never wait draw them (rounds.SampledTreeRounds), so that a seed gives the same tokens either way."""
+    return sample_with(probs, torch.rand(probs.shape[0], generator=generator, device=probs.device))
 
 
 def _read_back(*tensors: torch.Tensor) -> list[list[int]]:

@@ -203,7 +203,8 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     name = "eaglewire-" + ("base" if not speculate else
                            f"chain-K{cfg.chain}" if cfg.mode == "chain"
                            else f"tree-d{cfg.depth}-k{cfg.topk}-b{cfg.budget}")
-    rounds = speculate and greedy and dec.rounds is not None  # rounds that never wait for the host (rounds.py)
+    # rounds that never wait for the host (rounds.py): greedy, and sampled where the decoder samples in rounds
+    rounds = speculate and dec.rounds is not None and (greedy or dec.sample_in_rounds)
     return name + ("+compile" if cfg.compiles(device) else "") + ("+onednn" if dec.prepack else "") + \
         ("+fused" if dec.fused_projections else "") + ("+grouped" if dec.grouped_attention else "") + \
         ("+rounds" if rounds else ""), run, dec

@@ -33,7 +33,7 @@ from .acceptance import (SamplingParams, logits_to_probs, sample_with, verify_ch
 from .draft import grouped_copy
 from .draft_runner import DraftRunner
 from .errors import UsageError
-from .rounds import ROUNDS_AHEAD, ChainRounds, SampledChainRounds, TreeRounds
+from .rounds import ROUNDS_AHEAD, ChainRounds, SampledChainRounds, SampledTreeRounds, TreeRounds
 from .runners import TargetRunner
 from .targets import compare_fingerprints, shared_copy
 from .tree import DraftTree, grow, prune, tree_attention
@@ -200,9 +200,9 @@ class SpecDecoder:
         self.rounds_ahead = ROUNDS_AHEAD if p.device.type == "cuda" else 1
         # the next rounds queued before a read-back: on a CPU they would run before it, for nothing
         self.rounds_overlap = p.device.type == "cuda"
-        # sampled chains on static shapes go on without waiting too, one set of rounds per SamplingParams
-        self.sample_in_rounds = self.rounds is not None and s.mode == "chain"
-        self._sampled: dict[SamplingParams, SampledChainRounds] = {}
+        # sampled chains and trees on static shapes go on without waiting too, one set of rounds per SamplingParams
+        self.sample_in_rounds = self.rounds is not None
+        self._sampled: dict[SamplingParams, SampledChainRounds | SampledTreeRounds] = {}
 
     # -- entry points ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -230,7 +230,7 @@ class SpecDecoder:
     def _rounds(self, feed, sampling: SamplingParams, gen, out: "_Output"):
         """(accepted draft tokens, committed tokens) of each round, for as long as asked. After the first
         round (its extend carries the whole prompt), greedy decoding on static shapes runs rounds.py's
-        rounds, and so does a sampled chain (`sample_in_rounds`): `rounds_ahead` queued, then read back
+        rounds, and so does sampling (`sample_in_rounds`): `rounds_ahead` queued, then read back
         together, with `rounds_overlap` after the next batch is queued. Never more rounds queued than could
         all be needed before the token limit (each commits at most `rows` tokens, the ones in flight too),
         so only an EOS wastes any."""
@@ -254,12 +254,15 @@ class SpecDecoder:
             path, tokens, feed = self._step(feed, sampling, gen)
             yield len(path), tokens
 
-    def _sampled_rounds(self, sampling: SamplingParams, gen) -> SampledChainRounds | None:
+    def _sampled_rounds(self, sampling: SamplingParams, gen) -> SampledChainRounds | SampledTreeRounds | None:
         if not self.sample_in_rounds:
             return None
+        s = self.spec
         if sampling not in self._sampled:
-            self._sampled[sampling] = SampledChainRounds(self.drafter, self.verifier, self.spec.K, sampling,
-                                                         self.draft_ids, self.vocab)
+            self._sampled[sampling] = (
+                SampledChainRounds(self.drafter, self.verifier, s.K, sampling, self.draft_ids, self.vocab)
+                if s.mode == "chain" else
+                SampledTreeRounds(self.drafter, self.verifier, s.depth, s.topk, s.budget, sampling, self.vocab))
         r = self._sampled[sampling]
         r.gen = gen
         return r

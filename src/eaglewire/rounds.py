@@ -1,5 +1,5 @@
-"""Speculative rounds that never wait for the host (`SpecDecoder`, static shapes: CUDA graphs): greedy
-chains and trees, and sampled chains.
+"""Speculative rounds that never wait for the host (`SpecDecoder`, static shapes: CUDA graphs): chains and
+trees, greedy and sampled.
 
 A round that reads its verdict back leaves the GPU idle from that read-back until the next replay
 starts: the host must learn what was accepted before it can feed the next extend (on the H200, 0.29
@@ -9,7 +9,8 @@ buffers, shared between them:
 
   1. the draft's extend over `rows` rows (the last round's committed tokens and their taps; rows past
      the accepted count are computed and never used) and its drafting from the last committed row: a
-     greedy chain (ChainRounds), a sampled one (SampledChainRounds) or an EAGLE-2 tree (TreeRounds),
+     greedy chain (ChainRounds), a sampled one (SampledChainRounds) or an EAGLE-2 tree (TreeRounds; its
+     verdict sampled in SampledTreeRounds),
      written as the verify's input, with the draft's position moved past the kept rows;
   2. the target's verify (its usual static forward) and, launched by the host, its argmax;
   3. the verdict: what was accepted, the committed tokens written in the round's row, the next
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .acceptance import chain_sampling_verdict, logits_to_probs
+from .acceptance import chain_sampling_verdict, logits_to_probs, sample_with
 from .draft_runner import DraftRunner
 from .runners import TargetRunner
 
@@ -259,18 +260,26 @@ class TreeRounds(_Rounds):
                      "last": self.extend["last"]}
         self.verdict.update(parents=self.extend["parents"], node_depth=self.extend["node_depth"],
                             rows=torch.zeros(self.rows, dtype=torch.long, device=dev), move_src=self.move["src"])
+        self._more_buffers(taps)
         self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend)
         self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict, self.depth)
         # eager inside its graph, as the synced rounds' move (runners.py): a few index copies, nothing to fuse
         v._static[self.keys[3][1]] = self.move_st = v._make_static(self.move, lambda: self._move(self.move, width))
 
+    def _more_buffers(self, taps: torch.Tensor) -> None:
+        """What a kind of tree round needs besides the common buffers (a greedy one: nothing)."""
+
     def _round(self) -> None:
         self.draft_st.run()
         logits, taps = self.verify_st.run()
-        torch.argmax(logits[0], -1, out=self.verdict["best"])
+        self._choose(logits[0])
         self.verdict_st.run()
         torch.index_select(taps[0], 0, self.verdict["rows"], out=self.extend["taps"][0])  # the kept rows' taps
         self.move_st.run()
+
+    def _choose(self, logits: torch.Tensor) -> None:
+        """What the verdict needs of the verify's logits, launched by the host: a greedy round its argmax."""
+        torch.argmax(logits, -1, out=self.verdict["best"])
 
     def _draft_round(self, feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         """The extend of depth+1 rows, then the tree from row `last` (DraftRunner._tree), written as the
@@ -302,10 +311,15 @@ class TreeRounds(_Rounds):
 
     @staticmethod
     def _verdict(feed: dict[str, torch.Tensor], depth: int) -> tuple[torch.Tensor]:
-        """acceptance.py's greedy tree rule on the device: a node is accepted when its token is the
-        target's argmax at its parent's row and its parent is accepted; the accepted nodes form one
-        path (siblings hold distinct tokens). Row 0 is the root, row 1 + i node i."""
-        best, parents, node_depth = feed["best"], feed["parents"], feed["node_depth"]
+        """acceptance.py's greedy tree rule on the device: the walk below with the target's argmax."""
+        return TreeRounds._walk(feed, feed["best"], depth)
+
+    @staticmethod
+    def _walk(feed: dict[str, torch.Tensor], best: torch.Tensor, depth: int) -> tuple[torch.Tensor]:
+        """A node is accepted when its token is the target's choice at its parent's row (`best`, a token a
+        row: its argmax, or a draw from its distribution) and its parent is accepted; the accepted nodes
+        form one path (siblings hold distinct tokens). Row 0 is the root, row 1 + i node i."""
+        parents, node_depth = feed["parents"], feed["node_depth"]
         n_nodes = parents.shape[0]
         parent_row = parents + 1
         ok = feed["verify_ids"][0, 1:n_nodes + 1] == best.index_select(0, parent_row)
@@ -334,3 +348,37 @@ class TreeRounds(_Rounds):
         feed["move_src"].copy_(src)
         feed["verify_at"].add_(n + 1)
         return (n,)
+
+
+class SampledTreeRounds(TreeRounds):
+    """Sampled EAGLE-2 tree rounds, lossless on the device: TreeRounds' round with the target's choice at each
+    row drawn from its distribution instead of its argmax (acceptance.verify_tree_sampling's rule: draw x at a
+    node, descend into the child that holds x, else emit x). Launched by the host: the round's uniform draws,
+    one a row of the tree (the order in which the synced rounds draw them, so the same seed gives the same
+    tokens), and the verify's logits copied in. `gen` is the generation's generator."""
+
+    def __init__(self, drafter: DraftRunner, verifier: TargetRunner, depth: int, topk: int, budget: int, sampling,
+                 vocab: int):
+        _Rounds.__init__(self, drafter, verifier, depth + 1, ("sampled_tree_rounds", depth, topk, budget, sampling),
+                         (budget + 1, ("ids",)), ("sampled_tree_verdict", depth, budget, sampling),
+                         ("sampled_tree_move", budget + 1, sampling))
+        self.depth, self.topk, self.budget, self.sampling, self.vocab = depth, topk, budget, sampling, vocab
+        self.gen: torch.Generator | None = None
+
+    def _more_buffers(self, taps: torch.Tensor) -> None:
+        """The round's uniform draws (the root and every node of the pruned tree) and the verify's logits."""
+        dev = self.verifier.device
+        nodes = min(self.budget, self.topk + (self.depth - 1) * self.topk * self.topk)  # what tree.prune keeps
+        self.verdict.update(u=torch.zeros(nodes + 1, device=dev),
+                            logits=torch.zeros(self.verifier.sizes[0], self.vocab, dtype=taps.dtype, device=dev))
+
+    def _choose(self, logits: torch.Tensor) -> None:
+        self.verdict["u"].uniform_(generator=self.gen)  # torch.rand's draws, into the buffer
+        self.verdict["logits"].copy_(logits)
+
+    def _verdict(self, feed: dict[str, torch.Tensor], depth: int) -> tuple[torch.Tensor]:
+        """The walk with a draw from the target's distribution at each row of the tree."""
+        u = feed["u"]
+        chosen = sample_with(logits_to_probs(feed["logits"][:u.shape[0]], self.sampling), u)
+        return self._walk(feed, chosen, depth)
+
