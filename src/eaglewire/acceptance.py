@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UsageError
-from .tree import DraftTree
+from .tree import DraftTree, argsort_stable
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,8 +79,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, -math.inf)
-    if params.top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if params.top_p < 1:  # aten's sort, also where compiled (tree.argsort_stable: inductor's own went wrong there)
+        order = argsort_stable(-logits)
+        sorted_logits = logits.gather(-1, order)
         sorted_probs = sorted_logits.softmax(-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above
         drop = mass_before >= params.top_p  # keeps the smallest prefix reaching top_p, at least one token

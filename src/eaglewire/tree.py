@@ -34,7 +34,7 @@ ROOT = -1  # parent id of the children of the root, and the frontier id of the r
 
 @torch.library.custom_op("eaglewire::argsort_stable", mutates_args=())
 def argsort_stable(x: torch.Tensor) -> torch.Tensor:
-    """Indices that sort the 1-d x ascending, ties to the lower index. An op of its own so that
+    """Indices that sort x ascending along its last dimension, ties to the lower index. An op of its own so that
     torch.compile calls aten's sort instead of generating its own (a Triton sort fused with what
     feeds it): compiled that way, the one-replay depth-7, top-8 tree indexed past the end of its 392
     scores on an H200 (a device-side assert), although inductor's sort alone matched aten's."""
