@@ -59,6 +59,18 @@ def test_first_turns_keeps_conversations_that_open_with_a_user(tmp_path):
     assert two[2] == [{"role": "user", "content": "Count to 2."}]  # fewer user turns: all of them
 
 
+def test_first_turns_with_the_files_own_replies(tmp_path):
+    """--dataset-replies: the same conversations with the file's replies, through the last kept user turn's;
+    one that answers none of its kept turns is dropped and counted."""
+    convs, info = recipes.first_turns(sharegpt(tmp_path / "sg.json"), limit=None, replies=True)
+    assert convs[0] == [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}]
+    assert convs[1] == [{"role": "user", "content": "Count to 2."}, {"role": "assistant", "content": "1 2 3"}]
+    assert len(convs) == 25 and info["unanswered"] == 1 and info["skipped"] == 2  # "Say yes." has no reply
+    two, _ = recipes.first_turns(tmp_path / "sg.json", limit=None, turns=2, replies=True)
+    assert [m["content"] for m in two[0]] == ["Name a color.", "Blue.", "Another?", "Red."]
+    assert "unanswered" not in recipes.first_turns(tmp_path / "sg.json", limit=None)[1]
+
+
 def test_first_turns_drops_repeated_conversations(tmp_path):
     """Same kept turns -> same greedy replies on both sides of the held-out split: kept once."""
     path = sharegpt(tmp_path / "sg.json")
@@ -105,7 +117,8 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     prompts = sharegpt(tmp_path / "sg.json")
     recipe = recipes._override(recipes.RECIPES["full"], recipe_args(
         "full", "--set", "epochs=1", "--set", "batch_tokens=1024", "--set", "max_len=256", "--set", "eval_fraction=0.2",
-        "--max-new-tokens", "10", "--gen-batch-size", "8", "--budget-s", "600", "--turns", "2", "--self-prompts", "6"))
+        "--max-new-tokens", "10", "--gen-batch-size", "8", "--budget-s", "600", "--turns", "2", "--self-prompts", "6",
+        "--dataset-replies"))
     report = recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts,
                                 device="cpu", progress=False)
     assert report["mode"] == "online" and "datagen" not in report["stages_s"]
@@ -126,6 +139,14 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     assert {b["turn"] for b in batches} == {1, 2} and all(b["rows"] <= 8 and 0 < b["steps"] <= 10 for b in batches)
     assert all(b["compiled"] == 0 for b in batches)  # a CPU runs transformers' generate uncompiled
     assert sum(b["prompts"] for b in batches) == report["regenerated"]["replies"]
+    # --dataset-replies: the file's own replies to the same turns, pooled with the target's for training
+    own = (tmp_path / "full" / "dataset.jsonl").read_text().splitlines()
+    assert json.loads(own[0])["messages"][1] == {"role": "assistant", "content": "Blue."}
+    assert len(own) == report["prompts"]["dataset_replies"]["conversations"] == 25
+    pooled = (tmp_path / "full" / "training.jsonl").read_text().splitlines()
+    assert pooled == (tmp_path / "full" / "regenerated.jsonl").read_text().splitlines() + own
+    assert meta["training"]["data"]["prompts"]["file"] == "training.jsonl"
+    assert meta["training"]["data"]["samples"] == len(pooled)
     with pytest.raises(UsageError, match="not empty"):
         recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts, device="cpu")
 

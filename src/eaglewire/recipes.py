@@ -14,6 +14,7 @@ Stages: prompts -> regenerate -> (datagen) -> train -> report. Each stage's time
 tokens/s and the model-FLOPs utilisation (against PEAK_TFLOPS) go to report.json and stdout.
 `--mode replies` stops after regeneration: the replies (regenerated.jsonl) to pool with other runs'
 and train on later, e.g. one recipe a GPU with its own --seed, then one `torchrun ... train` over all.
+`--dataset-replies` also keeps the prompt file's own replies (dataset.jsonl) and trains on both.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Recipe:
     turns: int = 1  # user turns kept per conversation; every one of them gets a regenerated reply
     self_prompts: int = 0  # prompts the target writes itself (sampled), added to the prompt file's
     self_prompt_openers: str = "none"  # "tasks": they open with datagen.OPENERS in turn
+    dataset_replies: bool = False  # also train on the prompt file's own replies (dataset.jsonl) beside the target's
     gen: datagen.GenConfig  # regeneration of the first user turn's reply
     max_len: int
     capture_batch: int = 8  # datagen's capture batch
@@ -113,13 +115,15 @@ def sharegpt_file() -> Path:
     return dest
 
 
-def first_turns(path: Path, limit: int | None, turns: int = 1) -> tuple[list[list[dict]], dict]:
+def first_turns(path: Path, limit: int | None, turns: int = 1, replies: bool = False) -> tuple[list[list[dict]], dict]:
     """Conversations that open with a user turn (after an optional system message), cut to their first
     `turns` user turns; the assistant turns are dropped (the target writes its own). A conversation
     whose kept turns repeat an earlier one's is dropped: greedy regeneration would give it the same
-    replies, which would sit on both sides of the held-out split (ShareGPT: ~7% of first turns)."""
+    replies, which would sit on both sides of the held-out split (ShareGPT: ~7% of first turns).
+    replies: keep the file's own replies instead, through the last kept user turn's (a conversation
+    without one is dropped): the dataset's text to train on beside the target's."""
     text, notes = prompts.read_text(path), []
-    convs, seen, skipped, duplicates, keys = [], 0, 0, 0, set()
+    convs, seen, skipped, duplicates, keys, unanswered = [], 0, 0, 0, set(), 0
     for _, rec in prompts.iter_records(text, path, notes):
         seen += 1
         try:
@@ -134,7 +138,10 @@ def first_turns(path: Path, limit: int | None, turns: int = 1) -> tuple[list[lis
             skipped += 1
             continue
         system = [m for m in conv[:1] if m["role"] == "system"]
-        kept = system + [m for m in conv if m["role"] == "user"][:turns]
+        kept = _with_replies(conv, turns) if replies else system + [m for m in conv if m["role"] == "user"][:turns]
+        if kept is None:
+            unanswered += 1
+            continue
         key = tuple((m["role"], m["content"].strip()) for m in kept)
         if key in keys:
             duplicates += 1
@@ -145,8 +152,24 @@ def first_turns(path: Path, limit: int | None, turns: int = 1) -> tuple[list[lis
             break
     if not convs:
         raise UsageError(f"--prompts {path}: no conversation opens with a user turn ({seen} records)")
-    return convs, {"file": path.name, "records": seen, "used": len(convs), "skipped": skipped,
-                   "duplicates": duplicates, "notes": notes}
+    info = {"file": path.name, "records": seen, "used": len(convs), "skipped": skipped, "duplicates": duplicates,
+            "notes": notes}
+    return convs, {**info, "unanswered": unanswered} if replies else info
+
+
+def _with_replies(conv: list[dict], turns: int) -> list[dict] | None:
+    """conv (normalised: user and assistant alternate) through the reply to its `turns`-th user turn, or to
+    the last user turn it answers; None if it answers none."""
+    out, users = [], 0
+    for m in conv:
+        if m["role"] == "user":
+            if users == turns:
+                break
+            users += 1
+        out.append(m)
+    while out and out[-1]["role"] != "assistant":
+        out.pop()
+    return out or None
 
 
 def write_conversations(convs: list[list[dict]], path: Path) -> Path:
@@ -210,8 +233,15 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
         convs += new
         prompt_info["self_written"] = {"asked": recipe.self_prompts, "kept": len(new), "seed": recipe.gen.seed,
                                        "openers": recipe.self_prompt_openers}
+    own: list[list[dict]] = []
+    if recipe.dataset_replies:
+        own, info = first_turns(src, recipe.max_prompts, recipe.turns, replies=True)
+        prompt_info["dataset_replies"] = {"conversations": len(own), "unanswered": info["unanswered"],
+                                          "replies": sum(m["role"] == "assistant" for c in own for m in c)}
     if dist.main:
         write_conversations(convs, out / "prompts.jsonl")
+        if own:
+            write_conversations(own, out / "dataset.jsonl")
     t = stage("prompts", t)
 
     torch.manual_seed(recipe.gen.seed)
@@ -230,8 +260,11 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
     kept = [c for c in regen if not isinstance(c, prompts.Skip)]
     if not kept:
         raise EaglewireError(f"recipe {recipe.name}: the target produced no usable reply")
+    data = out / ("training.jsonl" if own else "regenerated.jsonl")  # what the draft trains on
     if dist.main:
         write_conversations(kept, out / "regenerated.jsonl")
+        if own:  # the target's replies and the file's own, pooled
+            write_conversations(kept + own, data)
     dist.barrier()  # the training data is on disk before any rank reads it
     replies = [m["content"] for c in kept for m in c if m["role"] == "assistant"]
     gen_tokens = sum(map(len, tgt.tokenizer(replies, add_special_tokens=False)["input_ids"]))
@@ -250,7 +283,6 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
         return _report(report, stages, t0, dist, out)
 
     contract = TapContract.default(tgt.num_layers)
-    data: Path = out / "regenerated.jsonl"
     if recipe.mode == "datagen":
         datagen.run_datagen(tgt, data, out / "data", contract, max_len=recipe.max_len, batch_size=recipe.capture_batch,
                             dtype=recipe.storage_dtype, progress=progress)
@@ -317,7 +349,8 @@ def _override(recipe: Recipe, args) -> Recipe:
         raise UsageError(f"--self-prompts {args.self_prompts}: give a count >= 0")
     rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s), ("turns", args.turns),
                                   ("mode", args.mode), ("self_prompts", args.self_prompts),
-                                  ("self_prompt_openers", args.self_prompt_openers)) if v is not None}
+                                  ("self_prompt_openers", args.self_prompt_openers),
+                                  ("dataset_replies", args.dataset_replies or None)) if v is not None}
     if rec_over.get("self_prompt_openers") == "tasks" and not rec_over.get("self_prompts", recipe.self_prompts):
         raise UsageError("--self-prompt-openers tasks steers the prompts the target writes: give --self-prompts N too")
     return dataclasses.replace(recipe, gen=dataclasses.replace(recipe.gen, **gen_over),
@@ -351,6 +384,10 @@ def register(sub) -> None:
                    help="tasks: self-written prompts open with task words in turn (Write, Solve, Extract, "
                         "Pretend, ...) and the target writes the rest; unsteered it mostly asks for help or plans "
                         "(default none)")
+    p.add_argument("--dataset-replies", action="store_true",
+                   help="also train on the prompt file's own replies to the kept turns (ShareGPT: ChatGPT's; "
+                        "dataset.jsonl), pooled with the target's (training.jsonl): text of more kinds than the "
+                        "target writes, labelled with the target's own distribution like every sample")
     p.add_argument("--max-new-tokens", type=int, default=None, help="regenerated reply length")
     datagen.add_engine_args(p, defaults=False)
     p.add_argument("--mode", choices=["datagen", "online", "replies"], default=None,
