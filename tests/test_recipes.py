@@ -69,6 +69,9 @@ def test_first_turns_with_the_files_own_replies(tmp_path):
     two, _ = recipes.first_turns(tmp_path / "sg.json", limit=None, turns=2, replies=True)
     assert [m["content"] for m in two[0]] == ["Name a color.", "Blue.", "Another?", "Red."]
     assert "unanswered" not in recipes.first_turns(tmp_path / "sg.json", limit=None)[1]
+    with pytest.raises(UsageError, match=r"--dataset-replies: .*demo_prompts.jsonl answers none .* \(40 without a "
+                                          r"reply\): it is a prompt list"):
+        recipes.first_turns(recipes.DEMO_PROMPTS, limit=None, replies=True)
 
 
 def test_first_turns_drops_repeated_conversations(tmp_path):

@@ -150,6 +150,9 @@ def first_turns(path: Path, limit: int | None, turns: int = 1, replies: bool = F
         convs.append(kept)
         if limit is not None and len(convs) >= limit:
             break
+    if not convs and unanswered:
+        raise UsageError(f"--dataset-replies: {path} answers none of its conversations' user turns ({unanswered} "
+                         "without a reply): it is a prompt list; leave out --dataset-replies")
     if not convs:
         raise UsageError(f"--prompts {path}: no conversation opens with a user turn ({seen} records)")
     info = {"file": path.name, "records": seen, "used": len(convs), "skipped": skipped, "duplicates": duplicates,
