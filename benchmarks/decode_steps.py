@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from eaglewire import __version__, attention, targets, tree
+from eaglewire.acceptance import SamplingParams
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.decode import SpecDecoder
 from eaglewire.draft import DraftConfig, Eagle3Draft
@@ -139,7 +140,7 @@ CHOICES = {"target": (True, False), "none": (False, False), "all": (True, True)}
 
 ATTENTION = {"default": None, "grouped": True, "sdpa": False, "matmul": True}  # SpecDecoder(grouped_attention=...)
 MATMUL_ROWS = 64  # --attention matmul: grouped, with verifies of up to this many rows spelt as matmuls too
-# greedy speculation: rounds.py's rounds (as shipped: the next batch queued before a read-back), the same
+# speculation, greedy or sampled: rounds.py's rounds (as shipped: the next batch queued before a read-back), the same
 # without that overlap (each batch read back before the next is queued), or every round read back
 ROUNDS = ("on", "batched", "off")
 
@@ -164,8 +165,14 @@ def shipped_as(arm: dict):
             setattr(*names[k], v)
 
 
-def warmed(make, choice: str, attn: str, rounds: str, select: str, ids: torch.Tensor, new: int, plain: bool
-           ) -> SpecDecoder:
+def generation(dec: SpecDecoder, ids: torch.Tensor, new: int, plain: bool, sampling: SamplingParams):
+    """One generation, plain or speculative; sampled ones with seed 0, so that every arm makes the same tokens."""
+    run = dec.generate_plain if plain else dec.generate
+    return run(ids, new, sampling, seed=None if sampling.greedy else 0)
+
+
+def warmed(make, choice: str, attn: str, rounds: str, select: str, ids: torch.Tensor, new: int, plain: bool,
+           sampling: SamplingParams) -> SpecDecoder:
     """A decoder built and warmed up (every size this prompt meets compiled and captured) under one
     autotuning choice (runners bind it when they create their compiled functions, during the warm-up),
     one attention and one way of selecting the tree's nodes."""
@@ -178,21 +185,22 @@ def warmed(make, choice: str, attn: str, rounds: str, select: str, ids: torch.Te
             dec = make(grouped_attention=ATTENTION[attn])
             dec.bench_arm = arm  # measure() runs it so again
             if rounds == "off":
-                dec.rounds = None
+                dec.rounds, dec.sample_in_rounds = None, False
             dec.rounds_overlap = dec.rounds_overlap and rounds == "on"
-            (dec.generate_plain if plain else dec.generate)(ids, new)
+            generation(dec, ids, new, plain, sampling)
     finally:
         TargetRunner.autotune, DraftRunner.autotune = shipped
     return dec
 
 
-def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: int, plain: bool) -> dict:
+def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: int, plain: bool,
+            sampling: SamplingParams) -> dict:
     """Each warmed decoder timed `repeats` times, in turn (a drift of the machine hits every arm alike)."""
     results = {k: [] for k in decs}
     for _ in range(repeats):
         for k, dec in decs.items():
             with shipped_as(dec.bench_arm):
-                results[k].append((dec.generate_plain if plain else dec.generate)(ids, new))
+                results[k].append(generation(dec, ids, new, plain, sampling))
     rows = {}
     for k, dec in decs.items():
         best = min(results[k], key=lambda r: r.timings["step_ms"])
@@ -201,9 +209,8 @@ def measure(decs: dict[str, SpecDecoder], ids: torch.Tensor, new: int, repeats: 
                "round_ms_median": statistics.median(r.timings["step_ms"] for r in results[k])}
         if dec.device.type == "cuda":
             runners = [dec.plain] if plain else [dec.drafter, dec.verifier]
-            run = dec.generate_plain if plain else dec.generate
             with shipped_as(dec.bench_arm):
-                per_round, _ = replays_per_round(runners, lambda: run(ids, new))
+                per_round, _ = replays_per_round(runners, lambda: generation(dec, ids, new, plain, sampling))
             graphs = {f"{type(r).__name__}{key}": st for r in runners for key, st in replays(r).items()}
             row["graphs"] = {key: graph_ms(st) for key, st in graphs.items() if key in per_round}
             row["replays_per_round"] = per_round
@@ -228,12 +235,14 @@ def main(argv=None) -> int:
                    "attention.py) or matmul (grouped, with verifies of up to 64 rows spelt as matmuls too); a "
                    "comma-separated list times each in turn")
     p.add_argument("--rounds", default="on", metavar="CHOICES",
-                   help="greedy chains and trees: on (as shipped: rounds that never wait for the host, rounds.py, "
-                   "the next batch queued before a read-back), batched (without that overlap) or off (every "
-                   "verdict read back); on,batched,off times each in turn")
+                   help="chains and trees, greedy or sampled: on (as shipped: rounds that never wait for the host, "
+                   "rounds.py, the next batch queued before a read-back), batched (without that overlap) or off "
+                   "(every verdict read back); on,batched,off times each in turn")
     p.add_argument("--tree-select", default="ours", metavar="CHOICES",
                    help="how a tree's round orders scores and takes the draft's top-k: ours (as shipped: ranking, "
                    "top-k in two stages) or aten (its sort and top-k); ours,aten times each in turn")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above: sampled rounds "
+                   "(seed 0 in every arm), --rounds off reading each verdict back")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
@@ -250,6 +259,7 @@ def main(argv=None) -> int:
     selects = a.tree_select.split(",")
     if not set(selects) <= set(TREE_SELECT):
         p.error(f"--tree-select {a.tree_select}: choose from {', '.join(TREE_SELECT)}")
+    sampling = SamplingParams(temperature=a.temperature)
     arms = [(c, at, r, ts) for c in choices for at in attns for r in rounds for ts in selects]
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t, draft, meta, ids, shapes = load_pair(a, device)
@@ -266,14 +276,15 @@ def main(argv=None) -> int:
                                **common, **kw)
         decs = {"/".join((c, at) + ((f"rounds {r}",) if len(rounds) > 1 else ())
                          + ((f"select {ts}",) if len(selects) > 1 else ())):
-                warmed(make, c, at, r, ts, ids, a.new, plain=shape is None) for c, at, r, ts in arms}
-        for arm, row in measure(decs, ids, a.new, a.repeats, plain=shape is None).items():
+                warmed(make, c, at, r, ts, ids, a.new, shape is None, sampling) for c, at, r, ts in arms}
+        for arm, row in measure(decs, ids, a.new, a.repeats, shape is None, sampling).items():
             rows[name if len(arms) == 1 else f"{name} [{arm}]"] = row
         dec = next(iter(decs.values()))
 
     print(f"decode rounds: {a.target} {str(dtype).split('.')[-1]} on "
           f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}, "
-          f"autotune={a.autotune}, attention={a.attention}, fused projections={dec.fused_projections}")
+          f"autotune={a.autotune}, attention={a.attention}, fused projections={dec.fused_projections}, "
+          f"T={a.temperature}")
     w = max(24, max(map(len, rows), default=0) + 2)
     print(f"{'mode':<{w}}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")
     for name, r in rows.items():

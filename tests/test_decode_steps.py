@@ -10,7 +10,7 @@ from eaglewire.runners import SlotRunner
 from decoding import CHAIN, TREE, fake_capture, prompts, reference_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from decode_steps import replays_per_round  # noqa: E402
+from decode_steps import generation, replays_per_round, warmed  # noqa: E402
 from round_kernels import by_kind, kind, per_round  # noqa: E402
 
 
@@ -70,3 +70,19 @@ def test_a_rounds_kernels_are_the_long_profile_less_the_short_one(llama, seqs, d
     assert sum(v["calls"] for v in kinds.values()) == pytest.approx(sum(c for c, _ in row["kernels"].values()))
     plain = per_round(decode.SpecDecoder(llama, static_shapes=True), p, 6, 24, plain=True)
     assert plain["rounds"] == 18  # a plain round is one token
+
+
+def test_sampled_arms_make_the_same_tokens(llama, seqs, drafts):
+    """--temperature: every arm samples with seed 0, so rounds that never wait and rounds that read each verdict
+    back (--rounds off, which turns sampled rounds off too) make the same tokens: a timing compares like with like."""
+    from eaglewire.acceptance import SamplingParams
+
+    hot, p = SamplingParams(temperature=1.0), prompts(seqs)[0]
+    for shape in (CHAIN, TREE):
+        def make(**kw):
+            return decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **shape, **kw)
+        on = warmed(make, "none", "default", "on", "ours", p, 16, False, hot)
+        off = warmed(make, "none", "default", "off", "ours", p, 16, False, hot)
+        assert on.sample_in_rounds and off.rounds is None and not off.sample_in_rounds
+        assert on._sampled and not off._sampled  # the warm-up ran sampled rounds in one arm only
+        assert generation(on, p, 24, False, hot).tokens == generation(off, p, 24, False, hot).tokens
