@@ -31,6 +31,7 @@ from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.decode import SpecDecoder
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.draft_runner import DraftRunner
+from eaglewire.errors import UsageError
 from eaglewire.runners import TargetRunner
 from eaglewire.taps import TapContract
 
@@ -259,7 +260,10 @@ def main(argv=None) -> int:
     selects = a.tree_select.split(",")
     if not set(selects) <= set(TREE_SELECT):
         p.error(f"--tree-select {a.tree_select}: choose from {', '.join(TREE_SELECT)}")
-    sampling = SamplingParams(temperature=a.temperature)
+    try:
+        sampling = SamplingParams(temperature=a.temperature)
+    except UsageError as e:
+        p.error(str(e))
     arms = [(c, at, r, ts) for c in choices for at in attns for r in rounds for ts in selects]
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t, draft, meta, ids, shapes = load_pair(a, device)
