@@ -11,7 +11,7 @@ from decoding import CHAIN, TREE, fake_capture, prompts, reference_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from decode_steps import generation, replays_per_round, warmed  # noqa: E402
-from round_kernels import by_kind, kind, per_round  # noqa: E402
+from round_kernels import by_kind, kind, ms_cell, per_round  # noqa: E402
 
 
 def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, monkeypatch):
@@ -86,3 +86,9 @@ def test_sampled_arms_make_the_same_tokens(llama, seqs, drafts):
         assert on.sample_in_rounds and off.rounds is None and not off.sample_in_rounds
         assert on._sampled and not off._sampled  # the warm-up ran sampled rounds in one arm only
         assert generation(on, p, 24, False, hot).tokens == generation(off, p, 24, False, hot).tokens
+
+
+def test_kinds_with_nothing_in_a_round_print_a_dash():
+    """A profile difference of about nothing (or below it) is no time: "-", never "-0.000" (thirteenth run)."""
+    assert ms_cell(-0.3) == ms_cell(0.0) == ms_cell(0.2) == "-"
+    assert ms_cell(198.0) == "0.198" and ms_cell(1303.4) == "1.303"
