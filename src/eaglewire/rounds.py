@@ -30,6 +30,7 @@ import torch
 from .acceptance import chain_sampling_verdict, logits_to_probs, sample_with
 from .draft_runner import DraftRunner
 from .runners import TargetRunner
+from .tree import grown_nodes
 
 # Rounds a read-back on CUDA, the next batch queued before it. Batched without that overlap (twelfth run,
 # H200), a round still spent 0.24 (chain 7) and 0.30 ms (tree) outside its replays: the GPU waited while the
@@ -96,6 +97,9 @@ class _Rounds:
             self.host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                               for t in (self.verdict["accepted"], self.verdict["committed"]))
 
+    def _more_buffers(self, taps: torch.Tensor) -> None:
+        """What a kind of round needs besides the common buffers (a greedy one: nothing)."""
+
     @staticmethod
     def _static(runner, key: tuple, fn, inputs: dict, *args):
         runner._static_function(key, fn, inputs, *args)
@@ -148,9 +152,6 @@ class ChainRounds(_Rounds):
         self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend, self.K - 1)
         self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict)
 
-    def _more_buffers(self, taps: torch.Tensor) -> None:
-        """What a kind of chain round needs besides the common buffers (a greedy one: nothing)."""
-
     def _round(self) -> None:
         self.draft_st.run()
         logits, taps = self.verify_st.run()
@@ -159,14 +160,19 @@ class ChainRounds(_Rounds):
         self.verdict_st.run()
 
     def _draft_round(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
-        """The extend of K+1 rows and the greedy chain from row `last` (DraftRunner._extend_chain), then
-        [root] + draft tokens into the verify's ids and the draft's position moved past the kept rows."""
-        tokens, = self.drafter._extend_chain({k: t for k, t in feed.items() if k != "verify_ids"}, steps)
+        """The extend of K+1 rows and the chain from row `last` (`_chain_tokens`), then [root] + draft tokens
+        into the verify's ids and the draft's position moved past the kept rows."""
+        tokens = self._chain_tokens(feed, steps)
         last = feed["last"]
         feed["verify_ids"][0].copy_(torch.cat([feed["ids"][0].index_select(0, last), tokens]))
         feed["pos"].add_(last + 1)
         feed["at"].add_(last + 1)
         return (tokens,)
+
+    def _chain_tokens(self, feed: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
+        """The extend and the greedy chain (DraftRunner._extend_chain): (K,) target ids."""
+        tokens, = self.drafter._extend_chain({k: t for k, t in feed.items() if k != "verify_ids"}, steps)
+        return tokens
 
     @staticmethod
     def _verdict(feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
@@ -221,16 +227,12 @@ class SampledChainRounds(ChainRounds):
         self.extend["taps"].copy_(taps)
         self.verdict_st.run()
 
-    def _draft_round(self, feed: dict[str, torch.Tensor], steps: int) -> tuple[torch.Tensor]:
-        """ChainRounds' with the chain sampled, and the distributions its tokens were drawn from kept."""
+    def _chain_tokens(self, feed: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
+        """The chain sampled, and the distributions its tokens were drawn from kept for the verdict."""
         tokens, probs = self.drafter._extend_chain({k: t for k, t in feed.items() if k not in ("verify_ids", "probs")},
                                                    steps, self.sampling)
         feed["probs"].copy_(probs)
-        last = feed["last"]
-        feed["verify_ids"][0].copy_(torch.cat([feed["ids"][0].index_select(0, last), tokens]))
-        feed["pos"].add_(last + 1)
-        feed["at"].add_(last + 1)
-        return (tokens,)
+        return tokens
 
     def _verdict(self, feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         """Speculative sampling's rule (acceptance.chain_sampling_verdict) on the target's distributions."""
@@ -265,9 +267,6 @@ class TreeRounds(_Rounds):
         self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict, self.depth)
         # eager inside its graph, as the synced rounds' move (runners.py): a few index copies, nothing to fuse
         v._static[self.keys[3][1]] = self.move_st = v._make_static(self.move, lambda: self._move(self.move, width))
-
-    def _more_buffers(self, taps: torch.Tensor) -> None:
-        """What a kind of tree round needs besides the common buffers (a greedy one: nothing)."""
 
     def _round(self) -> None:
         self.draft_st.run()
@@ -368,7 +367,7 @@ class SampledTreeRounds(TreeRounds):
     def _more_buffers(self, taps: torch.Tensor) -> None:
         """The round's uniform draws (the root and every node of the pruned tree) and the verify's logits."""
         dev = self.verifier.device
-        nodes = min(self.budget, self.topk + (self.depth - 1) * self.topk * self.topk)  # what tree.prune keeps
+        nodes = min(self.budget, grown_nodes(self.depth, self.topk))  # what tree.prune keeps
         self.verdict.update(u=torch.zeros(nodes + 1, device=dev),
                             logits=torch.zeros(self.verifier.sizes[0], self.vocab, dtype=taps.dtype, device=dev))
 

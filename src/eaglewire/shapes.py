@@ -115,10 +115,14 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
     return result
 
 
+def _checks(result: dict) -> list[tuple[str, dict | None]]:
+    """(run, its greedy check against the reference) for the base run and each shape."""
+    return [("base", result["base_check"])] + [(r["shape"], r["greedy_check"]) for r in result["shapes"]]
+
+
 def failed_checks(result: dict) -> list[str]:
     """Runs whose greedy fp32 tokens differ from the reference's where the target's top-2 logits are no tie."""
-    checks = [("base", result["base_check"])] + [(r["shape"], r["greedy_check"]) for r in result["shapes"]]
-    return [name for name, c in checks if c is not None and c["ok"] is False]
+    return [name for name, c in _checks(result) if c is not None and c["ok"] is False]
 
 
 def format_shapes(r: dict) -> str:
@@ -138,9 +142,9 @@ def format_shapes(r: dict) -> str:
                      f"{or_dash(row['acceptance']['acceptance_length'], '.2f'):>8}{row['spec/base']:>7.2f}x"
                      f"{or_dash(row['spec/hf'], '.2f') + 'x' if row['spec/hf'] else '-':>7}  "
                      f"{_verdict(row['greedy_check']):<8}{_sglang_flags(row['engines']['sglang'])}")
-    checks = [r["base_check"]] + [row["greedy_check"] for row in r["shapes"]]
-    if any(c is not None and c["ok"] is None and c["mismatches"] for c in checks):
-        lines.append(f"greedy: in {s['dtype']} a run may differ from {checks[-1]['reference']} where kernels round "
+    unjudged = [c for _, c in _checks(r) if c is not None and c["ok"] is None and c["mismatches"]]
+    if unjudged:
+        lines.append(f"greedy: in {s['dtype']} a run may differ from {unjudged[0]['reference']} where kernels round "
                      "differently; tokens are judged in fp32 only")
     best = next(row for row in r["shapes"] if row["shape"] == r["fastest"])
     lines.append(f"fastest here: {best['shape']}, {best['tokens_per_s']:.1f} tok/s ({best['spec/base']:.2f}x without a "

@@ -181,6 +181,11 @@ def expand(tree: DraftTree, frontier: torch.Tensor, cand_tokens: torch.Tensor, c
     return grown, tree.num_nodes + best
 
 
+def grown_nodes(depth: int, topk: int) -> int:
+    """The nodes `grow` appends: top-k children of the root, then of each of the top-k frontier nodes per level."""
+    return topk + (depth - 1) * topk * topk
+
+
 def grow(root_logits: torch.Tensor, root_hidden: torch.Tensor, depth: int, topk: int, to_target, forward
          ) -> DraftTree:
     """The EAGLE-2 draft loop: top-k children of each frontier node, the best top-k (cumulative
@@ -194,7 +199,7 @@ def grow(root_logits: torch.Tensor, root_hidden: torch.Tensor, depth: int, topk:
     """
     dev = root_logits.device
     tree, frontier = DraftTree.empty(dev), root_frontier(dev)
-    node_hidden = root_hidden.new_zeros(topk + (depth - 1) * topk * topk, root_hidden.shape[-1])
+    node_hidden = root_hidden.new_zeros(grown_nodes(depth, topk), root_hidden.shape[-1])
     cached = torch.zeros(0, dtype=torch.long, device=dev)  # nodes the draft has run on, in order
     logp = root_logits.float().log_softmax(-1)[None]  # (F, Vd), F = 1: the root
     for level in range(depth):
