@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from eaglewire.acceptance import (SamplingParams, logits_to_probs, verify_chain_greedy, verify_chain_sampling,
-                                  verify_tree_greedy, verify_tree_sampling)
+from eaglewire.acceptance import (SCAN_BLOCK, SamplingParams, cumsum_in_blocks, logits_to_probs, sample_with,
+                                  verify_chain_greedy, verify_chain_sampling, verify_tree_greedy, verify_tree_sampling)
 from eaglewire.errors import UsageError
 from eaglewire.tree import DraftTree, expand, prune, retrieve_paths, root_frontier
 
@@ -286,3 +286,32 @@ def test_tree_sampling_negative_controls_fail():
     assert fails_badly(firsts)
     firsts, pairs = run_trials(lambda g: eagle1_rule_first_token(tree, g))
     assert fails_badly(firsts)
+
+
+def test_cumsum_in_blocks_equals_cumsum_and_never_scans_past_a_block():
+    # One long scan over a vocabulary is what inductor turned into a split-scan kernel that failed to compile on
+    # CUDA (sampled rounds, torch 2.13): the traced graph must scan SCAN_BLOCK entries at most.
+    from torch.fx.experimental.proxy_tensor import make_fx
+    x = torch.rand(3, 5000, dtype=torch.float64)  # not a multiple of the block
+    torch.testing.assert_close(cumsum_in_blocks(x), x.cumsum(-1))
+    torch.testing.assert_close(cumsum_in_blocks(x[:, :100]), x[:, :100].cumsum(-1))
+    graph = make_fx(lambda p, u: sample_with(p, u))(torch.rand(8, 5000).softmax(-1), torch.rand(8)).graph
+    scans = [n for n in graph.nodes if n.target == torch.ops.aten.cumsum.default]
+    assert scans and all(n.args[0].meta["val"].shape[-1] <= SCAN_BLOCK for n in scans)
+
+
+def test_sample_with_draws_by_inverse_cdf_and_never_a_token_without_mass():
+    probs = torch.zeros(4000)
+    probs[[0, 1500, 3999]] = torch.tensor([0.25, 0.5, 0.25])
+    draws = torch.tensor([0.0, 0.2499, 0.25, 0.7499, 0.75, 0.9999])
+    assert sample_with(probs.expand(6, -1), draws).tolist() == [0, 0, 1500, 1500, 3999, 3999]
+    probs[3999] = 0  # a draw at the very top of the mass goes to the last token with mass
+    assert sample_with(probs, torch.tensor([0.9999999]).expand(1)).tolist() == [1500]
+    gen = torch.Generator().manual_seed(0)
+    p = torch.zeros(1500)
+    p[torch.randperm(1500, generator=gen)[:30]] = torch.rand(30, generator=gen)  # mass in every block
+    p /= p.sum()
+    picks = sample_with(p.expand(TRIALS, -1), torch.rand(TRIALS, generator=gen))
+    counts = torch.bincount(picks, minlength=1500).double() / TRIALS
+    assert counts[p == 0].sum() == 0
+    assert (counts - p.double()).abs().sum() < 0.05  # total variation: one draw each from the given distribution

@@ -83,21 +83,40 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         order = argsort_stable(-logits)
         sorted_logits = logits.gather(-1, order)
         sorted_probs = sorted_logits.softmax(-1)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above
+        mass_before = cumsum_in_blocks(sorted_probs) - sorted_probs  # mass of the tokens ranked above
         drop = mass_before >= params.top_p  # keeps the smallest prefix reaching top_p, at least one token
         logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
     return logits.softmax(-1)
+
+
+SCAN_BLOCK = 1024
+
+
+def cumsum_in_blocks(x: torch.Tensor) -> torch.Tensor:
+    """cumsum over the last dim as scans of SCAN_BLOCK entries plus a short scan of the block totals. One long
+    scan over few rows (a vocabulary, 8-64 rows) makes inductor emit a split-scan kernel whose CUDA codegen fails
+    (torch 2.13: "list indices must be integers or slices, not NoneType"); these short scans never split."""
+    v = x.shape[-1]
+    if v <= SCAN_BLOCK:
+        return x.cumsum(-1)
+    blocks = torch.nn.functional.pad(x, (0, -v % SCAN_BLOCK)).unflatten(-1, (-1, SCAN_BLOCK)).cumsum(-1)
+    before = torch.nn.functional.pad(blocks[..., :-1, -1].cumsum(-1), (1, 0))  # mass of the blocks before each
+    return (blocks + before.unsqueeze(-1)).flatten(-2)[..., :v]
 
 
 def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """(V,) probabilities and a uniform draw u (1,) in [0, 1) -> (1,) the token whose slice of the cumulative
     distribution holds u: drawn from `probs`, with the randomness given rather than drawn inside, so that a
     static function (a CUDA graph) can sample and an eager path given the same draws picks the same tokens.
-    Never a zero-probability token: the first index whose cumulative mass exceeds u * total. Rows (R, V) with
-    draws (R,) give (R,): a token a row."""
-    cdf = probs.float().cumsum(-1)
-    at = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return at.clamp(max=probs.shape[-1] - 1)
+    Rows (R, V) with draws (R,) give (R,): a token a row. Never a zero-probability token: the first token with
+    mass whose cumulative mass exceeds u * total (a parallel scan may round a zero-mass token's sum above its
+    neighbour's, so "first index past u" alone is not enough); the last token with mass if rounding leaves none."""
+    probs = probs.float()
+    cdf = cumsum_in_blocks(probs)
+    has_mass = probs > 0
+    past = (cdf > (u * cdf[..., -1]).unsqueeze(-1)) & has_mass
+    last_with_mass = probs.shape[-1] - 1 - has_mass.flip(-1).int().argmax(-1)
+    return torch.where(past.any(-1), past.int().argmax(-1), last_with_mass)
 
 
 def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, list[int]]:
