@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import UsageError
-from .files import file_digest
+from .files import file_digest, text_lines
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
          "bing": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
@@ -103,7 +103,7 @@ def iter_records(text: str, path: Path, notes: list[str]) -> Iterator[tuple[str,
     head = text.lstrip()[:1]
     suffix = path.suffix if path.suffix != ".gz" else Path(path.stem).suffix
     if suffix == ".txt" or head not in ("[", "{"):
-        for no, line in enumerate(text.splitlines(), 1):
+        for no, line in enumerate(text_lines(text), 1):
             if line.strip():
                 yield f"line {no}", line.strip()
         return
@@ -117,7 +117,7 @@ def iter_records(text: str, path: Path, notes: list[str]) -> Iterator[tuple[str,
             return
     except json.JSONDecodeError:
         pass
-    for no, line in enumerate(text.splitlines(), 1):
+    for no, line in enumerate(text_lines(text), 1):
         if not line.strip():
             continue
         try:

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from .errors import EaglewireError, UsageError
-from .files import file_digest
+from .files import file_digest, text_lines
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n"
 
@@ -181,7 +181,7 @@ def _read_jsonl(path: Path, name: str) -> list[dict]:
     if path.suffix == ".gz":
         raw = gzip.decompress(raw)
     out = []
-    for no, line in enumerate(raw.decode("utf-8").splitlines(), 1):
+    for no, line in enumerate(text_lines(raw.decode("utf-8")), 1):
         if line.strip():
             try:
                 out.append(json.loads(line))
