@@ -167,7 +167,8 @@ def shipped_as(arm: dict):
 
 
 def generation(dec: SpecDecoder, ids: torch.Tensor, new: int, plain: bool, sampling: SamplingParams):
-    """One generation, plain or speculative; sampled ones with seed 0, so that every arm makes the same tokens."""
+    """One generation, plain or speculative; sampled ones with seed 0: every arm gets the same draws, so the same
+    tokens where the arms' arithmetic agrees (fp32); in bf16 compiled arms round differently and drift apart."""
     run = dec.generate_plain if plain else dec.generate
     return run(ids, new, sampling, seed=None if sampling.greedy else 0)
 
