@@ -95,7 +95,7 @@ SCAN_BLOCK = 1024
 def cumsum_in_blocks(x: torch.Tensor) -> torch.Tensor:
     """cumsum over the last dim as scans of SCAN_BLOCK entries plus a short scan of the block totals. One long
     scan over few rows (a vocabulary, 8-64 rows) makes inductor emit a split-scan kernel whose CUDA codegen fails
-    (torch 2.13: "list indices must be integers or slices, not NoneType"); these short scans never split."""
+    (torch 2.11 on an H200: "list indices must be integers or slices, not NoneType"); these short scans never split."""
     v = x.shape[-1]
     if v <= SCAN_BLOCK:
         return x.cumsum(-1)
