@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from eaglewire import bench, targets
-from eaglewire.bench import BenchConfig, acceptance, first_divergence, greedy_check, Generation, run_bench
+from eaglewire.bench import (BenchConfig, acceptance, first_divergence, greedy_check, Generation, run_bench,
+                             run_prompts)
 from eaglewire.checkpoint import save_draft
 from eaglewire.cli import main
 from eaglewire.draft import DraftConfig, Eagle3Draft
@@ -326,3 +327,26 @@ def test_shapes_that_sglang_cannot_express():
     assert engine_shapes(BenchConfig(suite="s", mode="tree", depth=2, topk=2, budget=7))["sglang"] is None
     assert engine_shapes(BenchConfig(suite="s", mode="tree", depth=6, topk=8, budget=63))["sglang"] == \
         {"num_steps": 6, "topk": 8, "draft_tokens": 64}
+
+
+def test_runs_are_timed_prompt_by_prompt_in_turn_after_every_warm_up():
+    # Interleaved, so that a slow spell of the machine lands on HF and on ours alike (the ratio is the figure).
+    calls = []
+
+    def recorder(key):
+        def run(ids, max_new, seed=0):
+            calls.append((key, ids.shape[1], max_new, seed))
+            return Generation(tokens=[1] * max_new, wall_s=0.5, steps=max_new - 1)
+        return run
+
+    prompts = [torch.zeros(1, n, dtype=torch.long) for n in (3, 5)]
+    cfg = BenchConfig(suite="x", max_new_tokens=16, seed=7)
+    logs = []
+    gens = run_prompts({"hf": ("hf (h)", recorder("hf")), "base": ("base (b)", recorder("base"))}, prompts, cfg,
+                       torch.device("cpu"), logs.append)
+    warm = [("hf", 5, 8, 7), ("hf", 3, 2, 7), ("hf", 5, 2, 7), ("base", 5, 8, 7), ("base", 3, 2, 7), ("base", 5, 2, 7)]
+    timed = [("hf", 3, 16, 7), ("base", 3, 16, 7), ("hf", 5, 16, 8), ("base", 5, 16, 8)]
+    assert calls == warm + timed
+    assert [len(g) for g in gens.values()] == [2, 2] and list(gens) == ["hf", "base"]
+    assert logs[-2:] == ["eaglewire bench: hf (h): 2 prompts, 32 tokens in 1.00 s",
+                         "eaglewire bench: base (b): 2 prompts, 32 tokens in 1.00 s"]

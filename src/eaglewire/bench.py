@@ -1,6 +1,6 @@
 """`eaglewire bench`: HF `generate`, our decoder without and with the draft, on the same prompts, in one run.
 
-Runs, each over every prompt in turn after a warm-up (`run_prompts`):
+Runs, timed prompt by prompt, each run in turn, after a warm-up of each (`run_prompts`):
   (a) `hf`: transformers `generate` (dynamic cache on CPU; static cache on CUDA, which transformers
       compiles by itself; `hf_cache` picks), batch 1;
   (b) `base`: our decoder, no speculation (one target step per token, same engine as (c));
@@ -36,6 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -210,25 +211,31 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
         ("+rounds" if rounds else ""), run, dec
 
 
-def run_prompts(label: str, run, prompts: list[torch.Tensor], cfg: BenchConfig, device: torch.device,
-                log) -> list[Generation]:
-    """Warm up, then time each prompt.
+def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tensor], cfg: BenchConfig,
+                device: torch.device, log) -> dict[str, list[Generation]]:
+    """Warm every run up, then time prompt by prompt, each run in turn ({key: (label, run)} -> {key: gens}).
 
+    Interleaved so that a slow spell of the machine (a job on the next GPU, clocks, the host) lands on every
+    run alike: the ratios are the figures, and run after run HF's step moved by up to 15% between runs.
     Warm-up: the longest prompt for the full length on CUDA (first, so HF allocates its largest static
     cache once and compiles for it) or 8 tokens on a CPU; then every prompt for 2 tokens (on a GPU the
     first forward of each new prompt length picks kernels: measured ~0.25 s per prompt on an H200).
     """
     if cfg.warmup:
-        log(f"eaglewire bench: {label}: warm-up" + (" (compiling every shape it meets: a minute or more the first "
-                                                    "time)" if device.type == "cuda" else ""))
         longest = max(prompts, key=lambda p: p.shape[1])
-        run(longest, cfg.max_new_tokens if device.type == "cuda" else min(cfg.max_new_tokens, 8), cfg.seed)
-        for ids in prompts:
-            run(ids, min(cfg.max_new_tokens, 2), cfg.seed)
-    # sampling: prompt i draws from a generator seeded with seed + i in every run
-    gens = [run(ids, cfg.max_new_tokens, cfg.seed + i) for i, ids in enumerate(prompts)]
-    tokens, wall = sum(len(g.tokens) for g in gens), sum(g.wall_s for g in gens)
-    log(f"eaglewire bench: {label}: {len(gens)} prompts, {tokens} tokens in {wall:.2f} s")
+        for label, run in runs.values():
+            log(f"eaglewire bench: {label}: warm-up" + (" (compiling every shape it meets: a minute or more the "
+                                                        "first time)" if device.type == "cuda" else ""))
+            run(longest, cfg.max_new_tokens if device.type == "cuda" else min(cfg.max_new_tokens, 8), cfg.seed)
+            for ids in prompts:
+                run(ids, min(cfg.max_new_tokens, 2), cfg.seed)
+    gens: dict[str, list[Generation]] = {k: [] for k in runs}
+    for i, ids in enumerate(prompts):  # sampling: prompt i draws from a generator seeded with seed + i in every run
+        for k, (_, run) in runs.items():
+            gens[k].append(run(ids, cfg.max_new_tokens, cfg.seed + i))
+    for k, (label, _) in runs.items():
+        tokens, wall = sum(len(g.tokens) for g in gens[k]), sum(g.wall_s for g in gens[k])
+        log(f"eaglewire bench: {label}: {len(gens[k])} prompts, {tokens} tokens in {wall:.2f} s")
     return gens
 
 
@@ -359,7 +366,7 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
     runners = {"hf": hf_runner(t, cfg, device, eos)} if cfg.hf else {}
     runners["base"] = decoder_runner(t, draft_model, meta, cfg, device, eos, speculate=False)
     runners["spec"] = decoder_runner(t, draft_model, meta, cfg, device, eos, speculate=True)
-    gens = {k: run_prompts(f"{k} ({name})", run, prompts, cfg, device, log) for k, (name, run, _) in runners.items()}
+    gens = run_prompts({k: (f"{k} ({name})", run) for k, (name, run, _) in runners.items()}, prompts, cfg, device, log)
 
     result = build_result(cfg, t, meta, sp, prompts, gens, {k: r[0] for k, r in runners.items()}, device, dtype)
     result["warnings"] = list(runners["spec"][2].warnings)

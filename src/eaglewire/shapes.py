@@ -72,8 +72,9 @@ def _release(device: torch.device) -> None:
 
 def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, plot=None, log=None,
                **settings) -> dict:
-    """(a) HF generate and (b) our decoder without a draft once, then the draft in each of `shapes`
-    (`parse_shapes`' dicts) on the same prompts; returns the result dict (written to `json_out`)."""
+    """(a) HF generate and (b) our decoder without a draft once (interleaved prompt by prompt), then the draft
+    in each of `shapes` (`parse_shapes`' dicts, one shape's graphs alive at a time) on the same prompts; returns
+    the result dict (written to `json_out`)."""
     if not shapes:
         raise UsageError("--shapes: name at least one shape, e.g. chain:7")
     cfg = BenchConfig(suite=suite, **settings)
@@ -82,7 +83,7 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
     device, dtype, sp, t, draft_model, meta, prompts, eos = prepare(target, draft, cfg)
     runners = {"hf": hf_runner(t, cfg, device, eos)} if cfg.hf else {}
     runners["base"] = decoder_runner(t, draft_model, meta, cfg, device, eos, speculate=False)
-    gens = {k: run_prompts(f"{k} ({name})", run, prompts, cfg, device, log) for k, (name, run, _) in runners.items()}
+    gens = run_prompts({k: (f"{k} ({name})", run) for k, (name, run, _) in runners.items()}, prompts, cfg, device, log)
     names = {k: r[0] for k, r in runners.items()}
     del runners
     _release(device)
@@ -94,7 +95,7 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
     rows = []
     for c in cfgs:
         name, run, dec = decoder_runner(t, draft_model, meta, c, device, eos, speculate=True)
-        g = run_prompts(f"{shape_name(c)} ({name})", run, prompts, c, device, log)
+        g = run_prompts({"spec": (f"{shape_name(c)} ({name})", run)}, prompts, c, device, log)["spec"]
         row = {"shape": shape_name(c), **c.draft_shape(), "name": name, **summarize(g, head["floor"]["ms"]),
                "acceptance": acceptance(g, c.chain if c.mode == "chain" else c.depth), "engines": engine_shapes(c),
                "greedy_check": greedy_check(t, prompts, {ref: gens[ref], "spec": g}, ref, dtype) if greedy else None,
