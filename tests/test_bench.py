@@ -329,7 +329,7 @@ def test_shapes_that_sglang_cannot_express():
         {"num_steps": 6, "topk": 8, "draft_tokens": 64}
 
 
-def test_runs_are_timed_prompt_by_prompt_in_turn_after_every_warm_up():
+def test_runs_are_timed_prompt_by_prompt_in_turn_after_every_warm_up(monkeypatch):
     # Interleaved, so that a slow spell of the machine lands on HF and on ours alike (the ratio is the figure).
     calls = []
 
@@ -350,3 +350,9 @@ def test_runs_are_timed_prompt_by_prompt_in_turn_after_every_warm_up():
     assert [len(g) for g in gens.values()] == [2, 2] and list(gens) == ["hf", "base"]
     assert logs[-2:] == ["eaglewire bench: hf (h): 2 prompts, 32 tokens in 1.00 s",
                          "eaglewire bench: base (b): 2 prompts, 32 tokens in 1.00 s"]
+    assert not any("timed" in m for m in logs)  # quick runs: no progress lines
+    monkeypatch.setattr(bench, "PROGRESS_EVERY_S", -1.0)
+    logs.clear()
+    run_prompts({"hf": ("hf (h)", recorder("hf"))}, prompts, dataclasses.replace(cfg, warmup=False),
+                torch.device("cpu"), logs.append)
+    assert logs[0] == "eaglewire bench: timed 1 of 2 prompts" and len(logs) == 2  # none after the last prompt

@@ -47,6 +47,7 @@ from .draft_runner import DraftRunner
 from .errors import EaglewireError, UsageError
 from .runners import TargetRunner
 
+PROGRESS_EVERY_S = 10.0  # a line at most this often while the runs are timed
 TIE_GAP = 1e-3  # fp32 top-2 logit gap below which a greedy divergence is rounding, not a bug
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -230,9 +231,13 @@ def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tenso
             for ids in prompts:
                 run(ids, min(cfg.max_new_tokens, 2), cfg.seed)
     gens: dict[str, list[Generation]] = {k: [] for k in runs}
+    shown = time.perf_counter()
     for i, ids in enumerate(prompts):  # sampling: prompt i draws from a generator seeded with seed + i in every run
         for k, (_, run) in runs.items():
             gens[k].append(run(ids, cfg.max_new_tokens, cfg.seed + i))
+        if time.perf_counter() - shown > PROGRESS_EVERY_S and i + 1 < len(prompts):
+            log(f"eaglewire bench: timed {i + 1} of {len(prompts)} prompts")
+            shown = time.perf_counter()
     for k, (label, _) in runs.items():
         tokens, wall = sum(len(g.tokens) for g in gens[k]), sum(g.wall_s for g in gens[k])
         log(f"eaglewire bench: {label}: {len(gens[k])} prompts, {tokens} tokens in {wall:.2f} s")
