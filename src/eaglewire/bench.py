@@ -217,7 +217,7 @@ def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tenso
     """Warm every run up, then time prompt by prompt, each run in turn ({key: (label, run)} -> {key: gens}).
 
     Interleaved so that a slow spell of the machine (a job on the next GPU, clocks, the host) lands on every
-    run alike: the ratios are the figures, and run after run HF's step moved by up to 15% between runs.
+    run alike: the ratios are the figures, and HF's step moved by up to 15% from one bench to the next.
     Warm-up: the longest prompt for the full length on CUDA (first, so HF allocates its largest static
     cache once and compiles for it) or 8 tokens on a CPU; then every prompt for 2 tokens (on a GPU the
     first forward of each new prompt length picks kernels: measured ~0.25 s per prompt on an H200).
