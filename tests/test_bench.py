@@ -282,7 +282,7 @@ def test_bad_inputs_are_one_line_errors(shift, random_pair, prompt_file, tmp_pat
         assert lines[0].startswith("eaglewire bench: error: ")
 
 
-def test_bench_shapes_times_each_shape_against_one_base_run(shift, prompt_file, tmp_path, capsys):
+def test_bench_shapes_times_each_shape_in_turn_with_the_run_without_a_draft(shift, prompt_file, tmp_path, capsys):
     """`bench --shapes`: HF and the base decoder once, then each shape; every row named in SGLang's and vLLM's
     words (interop/serve.py: SGLang counts the verified root among its draft tokens, and forces steps + 1 on
     a chain), the fastest named with its export command. The shift pair accepts exactly one draft token a
@@ -291,10 +291,14 @@ def test_bench_shapes_times_each_shape_against_one_base_run(shift, prompt_file, 
     out, png = tmp_path / "shapes.json", tmp_path / "shapes.png"
     code = main(["bench", "--target", target, "--draft", draft, "--suite", prompt_file, "--max-new-tokens", "12",
                  "--device", "cpu", "--shapes", "chain:1, chain:3,tree:2x2x3", "--json", str(out), "--plot", str(png)])
-    table = capsys.readouterr().out
+    printed = capsys.readouterr()
+    table = printed.out
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = json.loads(out.read_text())
     assert set(r["runs"]) == {"hf", "base"} and r["base_check"]["ok"] is True
+    # ours without a draft: warmed once, timed in the first pass and again in turn with each of the 3 shapes
+    base_lines = [line for line in printed.err.splitlines() if line.startswith("eaglewire bench: base (eaglewire-base")]
+    assert len(base_lines) == 5 and sum(line.endswith("warm-up") for line in base_lines) == 1
     assert [row["shape"] for row in r["shapes"]] == ["chain 1", "chain 3", "tree d2 k2 b3"]
     chain1, chain3, tree = r["shapes"]
     assert chain1["acceptance"]["rate_by_position"] == [1.0] and chain3["acceptance"]["rate_by_position"] == [1, 0, 0]
@@ -304,8 +308,10 @@ def test_bench_shapes_times_each_shape_against_one_base_run(shift, prompt_file, 
     assert tree["engines"] == {"sglang": {"num_steps": 2, "topk": 2, "draft_tokens": 4}, "vllm": None}
     for row in r["shapes"]:
         assert row["greedy_check"]["ok"] is True and row["greedy_check"]["compared"] == ["spec"]
-        assert row["spec/base"] == pytest.approx(row["tokens_per_s"] / r["runs"]["base"]["tokens_per_s"])
-    fastest = max(r["shapes"], key=lambda row: row["tokens_per_s"])
+        assert row["spec/base"] == pytest.approx(row["tokens_per_s"] / row["base_tokens_per_s"])
+        assert row["spec/hf"] == pytest.approx(row["spec/base"] * r["runs"]["base"]["tokens_per_s"]
+                                               / r["runs"]["hf"]["tokens_per_s"])
+    fastest = max(r["shapes"], key=lambda row: row["spec/base"])
     assert r["fastest"] == fastest["shape"] and f"fastest here: {fastest['shape']}," in table
     assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in table
     a = fastest["engines"]["sglang"]

@@ -213,8 +213,9 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
 
 
 def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tensor], cfg: BenchConfig,
-                device: torch.device, log) -> dict[str, list[Generation]]:
-    """Warm every run up, then time prompt by prompt, each run in turn ({key: (label, run)} -> {key: gens}).
+                device: torch.device, log, warmed: tuple[str, ...] = ()) -> dict[str, list[Generation]]:
+    """Warm every run up (but those in `warmed`), then time prompt by prompt, each run in turn ({key: (label,
+    run)} -> {key: gens}).
 
     Interleaved so that a slow spell of the machine (a job on the next GPU, clocks, the host) lands on every
     run alike: the ratios are the figures, and HF's step moved by up to 15% from one bench to the next.
@@ -224,7 +225,7 @@ def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tenso
     """
     if cfg.warmup:
         longest = max(prompts, key=lambda p: p.shape[1])
-        for label, run in runs.values():
+        for label, run in (r for k, r in runs.items() if k not in warmed):
             log(f"eaglewire bench: {label}: warm-up" + (" (compiling every shape it meets: a minute or more the "
                                                         "first time)" if device.type == "cuda" else ""))
             run(longest, cfg.max_new_tokens if device.type == "cuda" else min(cfg.max_new_tokens, 8), cfg.seed)

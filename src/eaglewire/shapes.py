@@ -4,8 +4,10 @@ same prompts in one run.
 Which shape is fastest depends on the target, the draft and the machine: a longer chain or a deeper tree
 accepts more, but each level is one more draft step and a wider tree a larger verify. So it is measured,
 as SGLang's `bench_speculative.py` sweeps steps, topk and draft tokens. HF `generate` (unless --no-hf) and
-our decoder without a draft run once; then the draft in each shape in turn, every shape with its own
-warm-up. Each row names the shape in the engines' words (interop/serve.py's rules: SGLang counts the
+our decoder without a draft run first, in turn prompt by prompt; then the draft in each shape, every shape with
+its own warm-up and timed in turn with our decoder without a draft again, so that each row's "x base" compares
+runs made in the same minutes. Its "x hf" is that ratio times the first pass's base/hf (HF is slow to time twice).
+Each row names the shape in the engines' words (interop/serve.py's rules: SGLang counts the
 verified root among its draft tokens; vLLM runs chains), and the report ends with the fastest and the
 export command for it. Prints the table, writes JSON and a PNG of tokens/s against acceptance length.
 """
@@ -85,6 +87,7 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
     runners["base"] = decoder_runner(t, draft_model, meta, cfg, device, eos, speculate=False)
     gens = run_prompts({k: (f"{k} ({name})", run) for k, (name, run, _) in runners.items()}, prompts, cfg, device, log)
     names = {k: r[0] for k, r in runners.items()}
+    base = (f"base ({names['base']})", runners["base"][1])  # timed again beside each shape
     del runners
     _release(device)
     head = describe(cfg, t, meta, sp, device, dtype)
@@ -92,23 +95,27 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
     runs = summarize_runs(t, gens, names, head["floor"]["ms"])
     ref = "hf" if cfg.hf else "base"
     greedy = cfg.sampling.greedy
+    base_over_hf = runs["base"]["tokens_per_s"] / runs["hf"]["tokens_per_s"] if "hf" in runs else None
     rows = []
     for c in cfgs:
         name, run, dec = decoder_runner(t, draft_model, meta, c, device, eos, speculate=True)
-        g = run_prompts({"spec": (f"{shape_name(c)} ({name})", run)}, prompts, c, device, log)["spec"]
+        pair = run_prompts({"base": base, "spec": (f"{shape_name(c)} ({name})", run)}, prompts, c, device, log,
+                           warmed=("base",))
+        g = pair["spec"]
         row = {"shape": shape_name(c), **c.draft_shape(), "name": name, **summarize(g, head["floor"]["ms"]),
                "acceptance": acceptance(g, c.chain if c.mode == "chain" else c.depth), "engines": engine_shapes(c),
                "greedy_check": greedy_check(t, prompts, {ref: gens[ref], "spec": g}, ref, dtype) if greedy else None,
                "warnings": list(dec.warnings)}
-        row["spec/base"] = row["tokens_per_s"] / runs["base"]["tokens_per_s"]
-        row["spec/hf"] = row["tokens_per_s"] / runs["hf"]["tokens_per_s"] if "hf" in runs else None
+        row["base_tokens_per_s"] = summarize(pair["base"], None)["tokens_per_s"]  # timed in turn with this shape
+        row["spec/base"] = row["tokens_per_s"] / row["base_tokens_per_s"]
+        row["spec/hf"] = row["spec/base"] * base_over_hf if base_over_hf else None
         rows.append(row)
         del dec, run
         _release(device)
     result = {"eaglewire_bench_shapes": 1, **head, "runs": runs,
               "base_check": greedy_check(t, prompts, {"hf": gens["hf"], "base": gens["base"]}, "hf", dtype)
               if greedy and cfg.hf else None,
-              "shapes": rows, "fastest": max(rows, key=lambda r: r["tokens_per_s"])["shape"]}
+              "shapes": rows, "fastest": max(rows, key=lambda r: r["spec/base"])["shape"]}
     if json_out:
         write_json(result, json_out)
     if plot:
@@ -143,6 +150,7 @@ def format_shapes(r: dict) -> str:
                      f"{or_dash(row['acceptance']['acceptance_length'], '.2f'):>8}{row['spec/base']:>7.2f}x"
                      f"{or_dash(row['spec/hf'], '.2f') + 'x' if row['spec/hf'] else '-':>7}  "
                      f"{_verdict(row['greedy_check']):<8}{_sglang_flags(row['engines']['sglang'])}")
+    lines.append("x base: against the run without a draft timed in turn with that shape; x hf: that times base/hf above")
     unjudged = [c for _, c in _checks(r) if c is not None and c["ok"] is None and c["mismatches"]]
     if unjudged:
         lines.append(f"greedy: in {s['dtype']} a run may differ from {unjudged[0]['reference']} where kernels round "
