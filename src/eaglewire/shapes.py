@@ -150,7 +150,7 @@ def format_shapes(r: dict) -> str:
                      f"{or_dash(row['acceptance']['acceptance_length'], '.2f'):>8}{row['spec/base']:>7.2f}x"
                      f"{or_dash(row['spec/hf'], '.2f') + 'x' if row['spec/hf'] else '-':>7}  "
                      f"{_verdict(row['greedy_check']):<8}{_sglang_flags(row['engines']['sglang'])}")
-    lines.append("x base: against the run without a draft timed in turn with that shape; x hf: that times base/hf above")
+    lines.append("x base: against the run without a draft timed in turn with each shape; x hf: that times base/hf")
     unjudged = [c for _, c in _checks(r) if c is not None and c["ok"] is None and c["mismatches"]]
     if unjudged:
         lines.append(f"greedy: in {s['dtype']} a run may differ from {unjudged[0]['reference']} where kernels round "
