@@ -12,7 +12,8 @@ split of the training conversations can share prompts with them; these sources c
 Each source is also split by the target's confidence at the predicted position (its top-1 probability):
 a draft cannot call the target's greedy choice where the target itself nearly ties, so the share of such
 positions bounds what any draft accepts on a source, and acc@1 within each band says where a draft loses.
-Prints the tables and writes the same numbers as JSON.
+The share of positions where the target's top-1 lies outside the draft's vocabulary (draft_vocab_size) is what
+the vocabulary alone costs. Prints the tables and writes the same numbers as JSON.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ BANDS = (0.9, 0.5, 0.0)  # lower edges of the target's top-1 probability bands, 
 
 @torch.no_grad()
 def step_one_by_confidence(draft, head, seq, mask, taps, final_hidden) -> torch.Tensor:
-    """(len(BANDS), 2): per band of the target's top-1 probability, [positions, step-1 correct], over the
-    positions TTT step 1 scores (the predicted token x_{t+2} is a reply token)."""
+    """(len(BANDS), 3): per band of the target's top-1 probability, [positions, step-1 correct, the target's top-1
+    outside the draft's vocabulary (no draft can call it)], over the positions TTT step 1 scores (the predicted
+    token x_{t+2} is a reply token)."""
     T = seq.shape[1]
     logits_t = head(final_hidden.to(head.weight.dtype)).float()  # (1, T, V): row t predicts x_{t+1}
     conf, top = logits_t.softmax(-1).max(-1)
@@ -76,10 +78,11 @@ def step_one_by_confidence(draft, head, seq, mask, taps, final_hidden) -> torch.
                                                                             device=hidden.device))
     guess = draft.draft_to_target(logits.argmax(-1))[:, :T - 2]  # row t predicts x_{t+2}, t + 2 < T
     correct, c, m = guess == top[:, 1:T - 1], conf[:, 1:T - 1], mask[:, 2:]
-    out, upper = torch.zeros(len(BANDS), 2, dtype=torch.float64), 1.01
+    outside = ~draft.t2d[top[:, 1:T - 1]]
+    out, upper = torch.zeros(len(BANDS), 3, dtype=torch.float64), 1.01
     for i, low in enumerate(BANDS):
         band = m & (c >= low) & (c < upper)
-        out[i] = torch.tensor([band.sum().item(), (band & correct).sum().item()])
+        out[i] = torch.tensor([band.sum().item(), (band & correct).sum().item(), (band & outside).sum().item()])
         upper = low
     return out
 
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
     rows = {}
     for name, items in sources.items():
         total, tokens, steps = metrics.zeros(a.chain, "cpu"), 0, 0
-        bands = torch.zeros(len(BANDS), 2, dtype=torch.float64)
+        bands = torch.zeros(len(BANDS), 3, dtype=torch.float64)
         for msgs, reply in items:
             prompt = encode_prompt(t.tokenizer, msgs).reshape(-1)
             if reply is None:  # the target's own greedy reply, decoded with the draft (acceptance measured)
@@ -135,21 +138,23 @@ def main(argv=None) -> int:
             total += counts.cpu()
             bands += step_one_by_confidence(draft, stack.lm_head, seq, mask, cap.taps, cap.final_hidden)
         s = metrics.summarize(total)
-        n, ok = bands.sum(0).tolist()
+        n, ok, outside = bands.sum(0).tolist()
         assert abs(ok / max(n, 1) - s["acc"][0]) < 1e-6, (ok / max(n, 1), s["acc"][0])  # the same positions as TTT's
         rows[name] = {"prompts": len(items), "acc": s["acc"], "estimated_acceptance_length": s["acceptance_length"],
                       "decoded_acceptance_length": tokens / steps if steps else None,
+                      "top1_outside_draft_vocab": outside / max(n, 1),
                       "by_target_confidence": [{"top1_prob_from": low, "share": n / max(bands[:, 0].sum().item(), 1),
                                                 "acc1": ok / n if n else None}
-                                               for low, (n, ok) in zip(BANDS, bands.tolist())]}
+                                               for low, (n, ok, _) in zip(BANDS, bands.tolist())]}
 
     print(f"draft quality by prompt source: {a.draft}, {a.prompts} prompts each, {a.new} reply tokens, "
           f"{str(next(t.model.parameters()).dtype).split('.')[-1]} on {t.device}")
-    print(f"{'source':<18}{'acc@1':>7}{'acc@2':>7}{'acc@3':>7}{'est. AL':>9}{'decoded AL':>12}")
+    print(f"{'source':<18}{'acc@1':>7}{'acc@2':>7}{'acc@3':>7}{'est. AL':>9}{'decoded AL':>12}"
+          f"{'top-1 not in vocab':>20}")
     for name, r in rows.items():
         dal = f"{r['decoded_acceptance_length']:.2f}" if r["decoded_acceptance_length"] else "-"
         print(f"{name:<18}{r['acc'][0]:>7.3f}{r['acc'][1]:>7.3f}{r['acc'][2]:>7.3f}"
-              f"{r['estimated_acceptance_length']:>9.2f}{dal:>12}")
+              f"{r['estimated_acceptance_length']:>9.2f}{dal:>12}{r['top1_outside_draft_vocab']:>20.3f}")
     print("\nstep-1 accuracy by the target's top-1 probability at the predicted position (share of positions, acc@1)")
     edges = [f">= {lo}" if i == 0 else f"{lo}-{BANDS[i - 1]}" for i, lo in enumerate(BANDS)]
     print(f"{'source':<18}" + "".join(f"{e:>18}" for e in edges))
