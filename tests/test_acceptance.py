@@ -261,9 +261,13 @@ def test_tree_sampling_with_top_k_candidates_is_lossless():
 
     firsts, pairs = run_trials(verify)
     assert passes(firsts, pairs)
-    # the tree was used: some rounds accept two draft tokens
+    # the tree was used: some rounds accept two draft tokens, and the first token is accepted as often as any
+    # lossless rule can (the target's mass on the root's candidates; a depth-1 tree on SmolLM2 at T=1 did so)
     g = torch.Generator().manual_seed(1)
-    assert max(len(verify_tree_sampling(tree, target, g)[0]) for _ in range(2000)) >= 2
+    paths = [verify_tree_sampling(tree, target, g)[0] for _ in range(4000)]
+    assert max(map(len, paths)) >= 2
+    mass = P0[tree.tokens[tree.parents < 0]].sum().item()
+    assert abs(sum(len(p) >= 1 for p in paths) / len(paths) - mass) < 4 * math.sqrt(mass * (1 - mass) / len(paths))
 
 
 def eagle1_rule_first_token(tree: DraftTree, g: torch.Generator) -> list[int]:
@@ -290,7 +294,7 @@ def test_tree_sampling_negative_controls_fail():
 
 def test_cumsum_in_blocks_equals_cumsum_and_never_scans_past_a_block():
     # One long scan over a vocabulary is what inductor turned into a split-scan kernel that failed to compile on
-    # CUDA (sampled rounds, torch 2.13): the traced graph must scan SCAN_BLOCK entries at most.
+    # CUDA (sampled rounds, torch 2.11): the traced graph must scan SCAN_BLOCK entries at most.
     from torch.fx.experimental.proxy_tensor import make_fx
     x = torch.rand(3, 5000, dtype=torch.float64)  # not a multiple of the block
     torch.testing.assert_close(cumsum_in_blocks(x), x.cumsum(-1))
