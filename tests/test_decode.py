@@ -43,6 +43,26 @@ def test_greedy_equals_target_greedy(llama, seqs, drafts, shape, static):
     assert 1.3 < (sum(accepted) + len(accepted)) / len(accepted) < levels + 1
 
 
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_greedy_with_a_deeper_draft_equals_target_greedy(llama, seqs, drafts, shape, tmp_path):
+    """A draft of two layers (the trained one deepened, its new layer moved off the identity): every draft
+    step's two KV caches, in the exact and the static decoder, still leave target greedy's tokens."""
+    deep = drafts["trained"][0].deepened(2)
+    with torch.no_grad():
+        for p in deep.layers[1].parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    deep = save_load(deep, CONTRACT, llama, tmp_path / "deep")
+    assert deep[0].config.num_layers == 2
+    for static in (False, True):
+        dec = decode.SpecDecoder(llama, *deep, static_shapes=static, **shape)
+        accepted = []
+        for p in prompts(seqs):
+            res = dec.generate(p, 24)
+            assert res.tokens == reference_greedy(llama.model, p, 24), (static, p)
+            accepted += res.accepted_per_step
+        assert max(accepted) > 0  # the deeper draft's proposals were accepted too
+
+
 @pytest.mark.parametrize("shape, keys", [(CHAIN, {"greedy_chain", "extend_chain", "sample_chain"}),
                                          (TREE, {"tree"})], ids=["chain", "tree"])
 def test_one_replay_drafting_drafts_what_step_by_step_drafting_does(llama, seqs, drafts, shape, keys):

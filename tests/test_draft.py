@@ -384,3 +384,24 @@ def test_for_target_shapes_a_draft_for_every_supported_family(family):
     assert dc.intermediate_size == (128 if family == "gpt2" else cfg.intermediate_size)
     logits, h = Eagle3Draft(dc)(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 32), torch.arange(4)[None])
     assert logits.shape == (1, 4, 64) and h.shape == (1, 4, 32)
+
+
+def test_a_deepened_draft_predicts_as_before_until_its_new_layers_train():
+    """Block expansion (LLaMA Pro): layers added after the draft's own start as the identity, so a trained draft
+    grows without losing what it knows; their weights still get gradients through o_proj and down_proj."""
+    m = tiny_model(num_layers=1)
+    m.set_vocab(torch.arange(40), torch.zeros(97, dtype=torch.bool).index_fill_(0, 2 * torch.arange(40), True))
+    deep = m.deepened(3)
+    assert deep.config.num_layers == 3 and m.config.num_layers == 1 and len(deep.layers) == 3
+    assert torch.equal(deep.d2t, m.d2t) and torch.equal(deep.t2d, m.t2d)
+    assert not deep.embed_tokens.weight.requires_grad and not deep.training
+    ids, hidden, pos = inputs(m)
+    for model in (m, deep):  # the draft's output hidden state feeds its next step: it must match too
+        model.out = model(ids, hidden, pos, model.new_cache(2))
+    torch.testing.assert_close(deep.out[0], m.out[0], **TOL)
+    torch.testing.assert_close(deep.out[1], m.out[1], **TOL)
+    deep.out[0].logsumexp(-1).mean().backward()
+    assert deep.layers[2].mlp.down_proj.weight.grad.abs().sum() > 0
+    assert deep.layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(UsageError, match="deepens to more, not to 1"):
+        m.deepened(1)

@@ -562,7 +562,23 @@ def test_init_from_keeps_a_two_layer_draft_without_restating_its_shape(target, d
     tuned = train(TrainConfig(steps=2, init_from=str(base), **FAST), target, prompts, out=root / "ft-2l-tuned",
                   progress=False)
     assert json.loads((root / "ft-2l-tuned" / "config.json").read_text())["draft"]["num_layers"] == 2
-    with pytest.raises(UsageError, match="its draft_layers is 2, --draft-layers asks for 1"):
+    with pytest.raises(UsageError, match="its draft_layers is 2, --draft-layers asks for 1.*add layers, not remove"):
         train(TrainConfig(steps=2, init_from=str(base), draft_layers=1, **FAST), target, prompts,
               out=root / "never-2l", progress=False)
     assert tuned.metrics["heldout"]["positions"] > 0
+
+
+def test_init_from_with_more_layers_deepens_the_draft_from_where_it_was(target, data, root, capsys):
+    """--draft-layers above the checkpoint's adds identity layers (Eagle3Draft.deepened): training goes on from
+    the checkpoint's predictions, its first layer and vocabulary kept, rather than from a new draft."""
+    from safetensors.torch import load_file
+    base = train(TrainConfig(steps=2, **FAST), target, data, out=root / "deepen-1l", progress=False).checkpoint
+    capsys.readouterr()
+    deep = train(TrainConfig(steps=2, init_from=str(base), draft_layers=3, **FAST), target, data,
+                 out=root / "deepen-3l", progress=False)
+    assert "deepening the draft from 1 to 3 layers" in capsys.readouterr().err
+    cfg = json.loads((root / "deepen-3l" / "config.json").read_text())
+    assert cfg["draft"]["num_layers"] == 3 and cfg["training"]["config"]["draft_layers"] == 3
+    before, after = load_file(str(base / "model.safetensors")), load_file(str(root / "deepen-3l" / "model.safetensors"))
+    assert {k for k in after if k.startswith("layers.2.")} and torch.equal(before["d2t"], after["d2t"])
+    assert deep.metrics["heldout"]["positions"] > 0

@@ -428,6 +428,23 @@ class Eagle3Draft(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
+    def deepened(self, num_layers: int) -> "Eagle3Draft":
+        """A copy with decoder layers added after its own, each starting as the identity (its o_proj and down_proj
+        zero, so the residual passes through): the deeper draft predicts exactly as this one until training moves
+        the new layers (block expansion, as LLaMA Pro grows a model), instead of starting from scratch."""
+        c, p = self.config, self.fc.weight
+        if num_layers <= c.num_layers:
+            raise UsageError(f"a draft of {c.num_layers} layer(s) deepens to more, not to {num_layers}")
+        out = Eagle3Draft(dataclasses.replace(c, num_layers=num_layers)).to(device=p.device, dtype=p.dtype)
+        missing, unexpected = out.load_state_dict(self.state_dict(), strict=False)
+        assert not unexpected and all(int(k.split(".")[1]) >= c.num_layers for k in missing), (missing, unexpected)
+        with torch.no_grad():
+            for layer in out.layers[c.num_layers:]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        out.embed_tokens.weight.requires_grad_(self.embed_tokens.weight.requires_grad)
+        return out.train(self.training)
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         # a 0-d index would be read back to the host (a sync that breaks CUDA-graph capture): index 1-d
         return draft_ids + self.d2t[draft_ids.reshape(-1)].view_as(draft_ids)

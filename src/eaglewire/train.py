@@ -117,14 +117,20 @@ class _Run:
         c, vocab = draft.config, self.target.config.vocab_size
         for name, asked, has in (("draft_vocab_size", cfg.draft_vocab_size and min(cfg.draft_vocab_size, vocab),
                                   c.draft_vocab_size), ("draft_layers", cfg.draft_layers, c.num_layers)):
-            if asked is not None and asked != has:
+            layers = name == "draft_layers"
+            if asked is not None and asked != has and not (layers and asked > has):  # more layers: deepened below
                 raise UsageError(f"{where}: its {name} is {has}, --{name.replace('_', '-')} asks for {asked}: "
-                                 "a fine-tuned draft keeps its shape (drop the flag)")
+                                 "a fine-tuned draft keeps its shape (drop the flag"
+                                 + ("; --draft-layers may add layers, not remove them)" if layers else ")"))
         if cfg.draft_overrides:
             raise UsageError(f"{where}: --draft-config does not apply to a fine-tuned draft (it keeps its shape)")
         if cfg.max_len + cfg.ttt_steps > c.max_position_embeddings:
             raise UsageError(f"{where}: draft.max_position_embeddings is {c.max_position_embeddings}, below --max-len "
                              f"{cfg.max_len} + --ttt-steps {cfg.ttt_steps}: lower --max-len")
+        if cfg.draft_layers and cfg.draft_layers > c.num_layers:
+            print(f"eaglewire train: deepening the draft from {c.num_layers} to {cfg.draft_layers} layers: the new "
+                  "ones start as the identity, so it begins where the checkpoint left off", file=sys.stderr)
+            draft = draft.deepened(cfg.draft_layers)
         return draft.train()
 
     def _new_draft(self) -> Eagle3Draft:
@@ -470,7 +476,8 @@ def register(sub) -> None:
     g.add_argument("--ttt-decay", type=float, help="loss weight decay**k of TTT step k (default 0.8)")
     g.add_argument("--loss", choices=["soft-ce", "kl"], help="soft-ce (EAGLE-3, default) or kl (speculators)")
     g.add_argument("--draft-vocab-size", type=int, help="draft vocabulary (default min(32000, target vocab))")
-    g.add_argument("--draft-layers", type=int, help="draft decoder layers (default 1)")
+    g.add_argument("--draft-layers", type=int, help="draft decoder layers (default 1); with --init-from, more than "
+                   "the checkpoint's deepen it, the new layers starting as the identity")
     g.add_argument("--draft-config", metavar="JSON",
                    help="other DraftConfig fields, e.g. '{\"norm_before_residual\": true}'")
     g.add_argument("--taps", default=None, help="canonical taps (default: the data's; online 2,N//2,N-3)")
