@@ -144,4 +144,3 @@ def same_samples(a, b, sampling, ps, seeds: int, new: int) -> int:
             assert x.tokens == y.tokens and x.accepted_per_step == y.accepted_per_step, (p, seed)
             rounds += len(y.accepted_per_step)
     return rounds
-

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import eaglewire.decode as decode
+from eaglewire.acceptance import SamplingParams
 from eaglewire.runners import SlotRunner
 from decoding import CHAIN, TREE, fake_capture, prompts, reference_greedy
 
@@ -75,8 +76,6 @@ def test_a_rounds_kernels_are_the_long_profile_less_the_short_one(llama, seqs, d
 def test_sampled_arms_make_the_same_tokens(llama, seqs, drafts):
     """--temperature: every arm samples with seed 0, so rounds that never wait and rounds that read each verdict
     back (--rounds off, which turns sampled rounds off too) make the same tokens: a timing compares like with like."""
-    from eaglewire.acceptance import SamplingParams
-
     hot, p = SamplingParams(temperature=1.0), prompts(seqs)[0]
     for shape in (CHAIN, TREE):
         def make(**kw):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import eaglewire.decode as decode
+from eaglewire.acceptance import SamplingParams
 import eaglewire.runners as runners
 from decoding import CHAIN, TREE, counted_queues, launch_counter, prompts, reference_greedy, same_samples
 
@@ -79,8 +80,6 @@ def test_sampled_rounds_commit_what_synced_sampled_rounds_do(llama, seqs, drafts
     round's uniform draws made in the synced rounds' order, the same seed gives the same tokens and
     acceptance, round by round (fp32). A chain round is three replays, two draws and two copies; a tree
     round four replays, one draw, the logits' copy and the taps' gather."""
-    from eaglewire.acceptance import SamplingParams
-
     replays, Ops = launch_counter(monkeypatch)
     fast = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **shape)
     synced = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **shape)
