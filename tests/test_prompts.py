@@ -6,7 +6,7 @@ import json
 import pytest
 
 from eaglewire.errors import UsageError
-from eaglewire.prompts import load_conversations
+from eaglewire.prompts import load_conversations, load_pool
 
 
 def sharegpt(*turns, system=None):
@@ -126,3 +126,23 @@ def test_line_separators_inside_json_strings_do_not_split_records(tmp_path):
     crlf = tmp_path / "crlf.jsonl"
     crlf.write_bytes(b"".join(json.dumps({"messages": c}).encode() + b"\r\n" for c in convs))
     assert load_conversations(crlf).conversations == convs
+
+
+def test_a_pool_of_files_keeps_each_conversation_once(tmp_path):
+    """`train --prompts a b`: runs' reply files pooled, as the README's recipe does with `sort -u`. A
+    conversation repeated in a later file (or in the same one) is dropped, so it does not weigh twice."""
+    a = write_jsonl(tmp_path / "a.jsonl", [sharegpt("Hi", "Hello!"), sharegpt("Q1", "A1"), sharegpt("Hi", "Hello!")])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"messages": [{"role": "user", "content": "Q1"},
+                                                         {"role": "assistant", "content": "A1"}]},
+                                           sharegpt("Q1", "another answer")])
+    pool = load_pool([a, b])
+    assert [c[-1]["content"] for c in pool.conversations] == ["Hello!", "A1", "another answer"]
+    assert pool.duplicates == 2 and pool.label == f"{a} {b}"
+    s = pool.summary()
+    assert [f["file"] for f in s["files"]] == ["a.jsonl", "b.jsonl"] and s["duplicates"] == 2
+    assert s["conversations"] == 3
+    # one file without repeats: the summary a single file always had (a resumed run compares it)
+    one = write_jsonl(tmp_path / "one.jsonl", [sharegpt("Hi", "Hello!")])
+    assert load_pool(one).summary() == load_conversations(one).summary()
+    with pytest.raises(UsageError, match="missing.jsonl: no such file"):
+        load_pool([one, tmp_path / "missing.jsonl"])

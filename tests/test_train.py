@@ -582,3 +582,23 @@ def test_init_from_with_more_layers_deepens_the_draft_from_where_it_was(target, 
     before, after = load_file(str(base / "model.safetensors")), load_file(str(root / "deepen-3l" / "model.safetensors"))
     assert {k for k in after if k.startswith("layers.2.")} and torch.equal(before["d2t"], after["d2t"])
     assert deep.metrics["heldout"]["positions"] > 0
+
+
+def test_online_training_pools_several_prompt_files(target, target_dir, prompts, root, capsys):
+    """`train --prompts a b --online`: the samples of both halves of the prompt file, a conversation that both
+    hold once; a missing file is refused before the target loads."""
+    from eaglewire.parallel import Dist
+    one = Dist(0, 1, torch.device("cpu"), False)
+    lines = prompts.read_text().splitlines(keepends=True)
+    first, second = root / "first.jsonl", root / "second.jsonl"
+    first.write_text("".join(lines[:25]))
+    second.write_text("".join(lines[20:]))  # five conversations in both
+    whole = train_data.build_online(target, prompts, CONTRACT, 256, None, one)
+    pooled = train_data.build_online(target, [first, second], CONTRACT, 256, None, one)
+    assert pooled.keys == whole.keys
+    assert "40 conversations from 2 file(s), 5 repeats dropped" in capsys.readouterr().err
+    assert pooled.provenance["prompts"]["duplicates"] == 5
+    assert cli.main(["train", "--target", str(target_dir), "--prompts", str(first), str(root / "nope.jsonl"),
+                     "--online", "--out", str(root / "never")]) == 2
+    assert "--prompts " + str(root / "nope.jsonl") + ": no such file" in capsys.readouterr().err
+    assert not (root / "never").exists()

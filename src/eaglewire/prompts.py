@@ -14,6 +14,7 @@ A record that cannot be used is skipped and counted by reason; the loaders are s
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import re
 from collections import Counter
@@ -218,3 +219,37 @@ def load_conversations(path: str | Path, need_assistant: bool = True, limit: int
         raise UsageError(f"--prompts {path}: no usable conversation among {records} records ({why})")
     return PromptSet(path=path, sha256=file_digest(path), conversations=convs, records=records,
                      skipped=dict(skipped), details=details, notes=notes)
+
+
+@dataclass
+class PromptPool:
+    """Several prompt files read as one: their usable conversations in file order, each kept once."""
+
+    sets: list[PromptSet]
+    conversations: list[list[dict]]
+    duplicates: int  # conversations dropped because an identical one came earlier, in any of the files
+
+    @property
+    def label(self) -> str:
+        return " ".join(str(s.path) for s in self.sets)
+
+    def summary(self) -> dict:
+        if len(self.sets) == 1 and not self.duplicates:  # as a single file always read (a resume compares it)
+            return self.sets[0].summary()
+        return {"files": [s.summary() for s in self.sets], "conversations": len(self.conversations),
+                "duplicates": self.duplicates}
+
+
+def load_pool(paths: str | Path | list, need_assistant: bool = True) -> PromptPool:
+    """The usable conversations of one or more prompt files, an exact repeat dropped: runs' reply files pooled
+    (or one file named twice) would otherwise weigh the replies they share twice in training."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    sets = [load_conversations(p, need_assistant) for p in paths]
+    seen, convs = set(), []
+    for s in sets:
+        for c in s.conversations:
+            key = hashlib.blake2b(json.dumps(c, ensure_ascii=False, sort_keys=True).encode(), digest_size=16).digest()
+            if key not in seen:
+                seen.add(key)
+                convs.append(c)
+    return PromptPool(sets=sets, conversations=convs, duplicates=sum(len(s.conversations) for s in sets) - len(convs))

@@ -116,13 +116,17 @@ def open_offline(data_dir: str | Path, fingerprint: dict, contract: TapContract 
 ENCODE_CHUNK = 1024  # conversations per tokenizer call
 
 
-def build_online(target, prompts_path: str | Path, contract: TapContract, max_len: int,
+def build_online(target, prompt_files: str | Path | list, contract: TapContract, max_len: int,
                  regen: datagen.GenConfig | None, dist: Dist, progress: bool = False) -> OnlineCorpus:
-    """Conversations -> (regenerated) -> encoded samples, exactly as datagen would keep them."""
+    """Conversations of one or more files -> (regenerated) -> encoded samples, exactly as datagen would keep
+    them; a conversation repeated in the files is used once."""
     from tqdm import tqdm
     chat.require_chat_template(target.tokenizer, f"--target {target.spec}")
-    pset = prompts.load_conversations(prompts_path, need_assistant=regen is None)
+    pset = prompts.load_pool(prompt_files, need_assistant=regen is None)
     convs: list = pset.conversations
+    if dist.main and (len(pset.sets) > 1 or pset.duplicates):
+        print(f"eaglewire train: --prompts: {len(convs)} conversations from {len(pset.sets)} file(s), "
+              f"{pset.duplicates} repeats dropped", file=sys.stderr)
     if regen is not None:
         torch.manual_seed(regen.seed)
         convs = datagen.regenerate_ranks(target, convs, regen, max_len, dist)
@@ -141,7 +145,7 @@ def build_online(target, prompts_path: str | Path, contract: TapContract, max_le
         else:
             samples.append((enc[0], enc[1]))
     if not samples:
-        raise EaglewireError(f"--prompts {pset.path}: no usable sample (skipped: {dict(skipped)})")
+        raise EaglewireError(f"--prompts {pset.label}: no usable sample (skipped: {dict(skipped)})")
     prov = {"mode": "online", "prompts": pset.summary(), "samples": len(samples), "skipped": dict(skipped),
             "regen": None if regen is None else {k: v for k, v in vars(regen).items() if k != "batch_size"}}
     return OnlineCorpus(samples, contract, prov)
