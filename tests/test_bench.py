@@ -12,6 +12,7 @@ Two targets share a character-level ChatML tokenizer (99 tokens, vocab 128):
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -298,7 +299,8 @@ def test_bench_shapes_times_each_shape_in_turn_with_the_run_without_a_draft(shif
     assert set(r["runs"]) == {"hf", "base"} and r["base_check"]["ok"] is True
     # ours without a draft: warmed once, timed in the first pass and again in turn with each of the 3 shapes
     base_lines = [line for line in printed.err.splitlines() if line.startswith("eaglewire bench: base (eaglewire-base")]
-    assert len(base_lines) == 5 and sum(line.endswith("warm-up") for line in base_lines) == 1
+    assert len(base_lines) == 6 and sum(line.endswith("warm-up") for line in base_lines) == 1
+    assert re.search(r": warmed up in \d+\.\d s$", base_lines[1])  # where a GPU's minutes of compilation go
     assert [row["shape"] for row in r["shapes"]] == ["chain 1", "chain 3", "tree d2 k2 b3"]
     chain1, chain3, tree = r["shapes"]
     assert chain1["acceptance"]["rate_by_position"] == [1.0] and chain3["acceptance"]["rate_by_position"] == [1, 0, 0]

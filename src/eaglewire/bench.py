@@ -228,9 +228,11 @@ def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tenso
         for label, run in (r for k, r in runs.items() if k not in warmed):
             log(f"eaglewire bench: {label}: warm-up" + (" (compiling every shape it meets: a minute or more the "
                                                         "first time)" if device.type == "cuda" else ""))
+            t0 = time.perf_counter()
             run(longest, cfg.max_new_tokens if device.type == "cuda" else min(cfg.max_new_tokens, 8), cfg.seed)
             for ids in prompts:
                 run(ids, min(cfg.max_new_tokens, 2), cfg.seed)
+            log(f"eaglewire bench: {label}: warmed up in {time.perf_counter() - t0:.1f} s")
     gens: dict[str, list[Generation]] = {k: [] for k in runs}
     shown = time.perf_counter()
     for i, ids in enumerate(prompts):  # sampling: prompt i draws from a generator seeded with seed + i in every run
