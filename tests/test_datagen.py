@@ -388,3 +388,29 @@ def test_sigkill_mid_run_then_rerun_completes_without_duplicates(llama_dir, tmp_
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         assert torch.allclose(a["taps"], b["taps"], atol=1e-5)
     assert got.manifest["token_freqs"] == ref.manifest["token_freqs"]
+
+
+def test_datagen_pools_several_prompt_files(llama, llama_dir, tmp_path, capsys):
+    """`datagen --prompts a b`: the shards of the pooled files hold what one file of all their conversations gives,
+    a conversation in both once; the file set is part of the data's identity, so a rerun with another set is
+    refused rather than resumed."""
+    whole = sharegpt_file(tmp_path / "whole.jsonl", 9)
+    lines = whole.read_text().splitlines(keepends=True)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(lines[:6]))
+    b.write_text("".join(lines[4:]))  # conversations 4 and 5 in both
+    ref = run_datagen(llama, whole, tmp_path / "ref", CONTRACT, dtype="fp32", progress=False)
+    rc, out, err = run_cli(capsys, "--target", llama_dir, "--prompts", a, b, "--out", tmp_path / "pool",
+                           "--taps", ",".join(map(str, CONTRACT.taps)), "--target-dtype", "fp32", "--dtype", "fp32")
+    m = read_manifest(tmp_path / "pool")
+    assert rc == 0 and m["counts"]["samples"] == 9 and m["prompts"]["duplicates"] == 2, err
+    assert [f["file"] for f in m["prompts"]["files"]] == ["a.jsonl", "b.jsonl"]
+    pooled = open_dataset(tmp_path / "pool", expect_contract=CONTRACT)
+    one = open_dataset(tmp_path / "ref", expect_contract=CONTRACT)
+    assert ref["counts"]["samples"] == 9
+    for i in range(9):
+        assert torch.equal(pooled[i]["input_ids"], one[i]["input_ids"])
+        assert torch.allclose(pooled[i]["taps"].float(), one[i]["taps"].float(), atol=1e-5)
+    rc, out, err = run_cli(capsys, "--target", llama_dir, "--prompts", a, "--out", tmp_path / "pool",
+                           "--taps", ",".join(map(str, CONTRACT.taps)), "--target-dtype", "fp32", "--dtype", "fp32")
+    assert rc == 1 and "already holds data made differently (prompts_sha256" in err

@@ -346,7 +346,7 @@ def capture_batched(target: targets.Target, contract: TapContract, seqs: list[to
 
 # ---- the run ------------------------------------------------------------------------------------
 
-def manifest_base(target: targets.Target, contract: TapContract, pset: prompts.PromptSet, cfg: DatagenConfig) -> dict:
+def manifest_base(target: targets.Target, contract: TapContract, pset: prompts.PromptPool, cfg: DatagenConfig) -> dict:
     fp = target.fingerprint or targets.fingerprint(target.model, target.tokenizer)
     model_dtype = next(target.model.parameters()).dtype
     return {
@@ -391,10 +391,11 @@ def _chunk(target, contract, convs, i: int, j: int, cfg: DatagenConfig, writer: 
     writer.commit(next_source=j, truncated=truncated)
 
 
-def run_datagen(target: targets.Target, prompts_path: str | Path, out_dir: str | Path, contract: TapContract,
+def run_datagen(target: targets.Target, prompts_path: str | Path | list, out_dir: str | Path, contract: TapContract,
                 regen: bool = False, max_samples: int | None = None, max_len: int = 2048, *,
                 gen: GenConfig | None = None, progress: bool = True, **options) -> dict:
-    """Build (or resume) a training-data directory; returns its manifest.
+    """Build (or resume) a training-data directory from one or more prompt files (pooled, repeats dropped);
+    returns its manifest.
 
     options: DatagenConfig fields (overlong, batch_size, dtype, shard_size).
     """
@@ -405,7 +406,7 @@ def run_datagen(target: targets.Target, prompts_path: str | Path, out_dir: str |
     if contract.num_layers != target.num_layers:
         raise UsageError(f"tap contract is for {contract.num_layers} layers, --target {target.spec} has "
                          f"{target.num_layers}")
-    pset = prompts.load_conversations(prompts_path, need_assistant=not regen)
+    pset = prompts.load_pool(prompts_path, need_assistant=not regen)
     convs = pset.conversations
     writer = shards.ShardWriter(out_dir, manifest_base(target, contract, pset, cfg), cfg.shard_size)
     start = writer.next_source
@@ -426,7 +427,7 @@ def run_datagen(target: targets.Target, prompts_path: str | Path, out_dir: str |
     bar.close()
     manifest = writer.finish(complete=True)
     if manifest["counts"]["samples"] == 0:
-        raise EaglewireError(f"--prompts {pset.path}: no usable sample (skipped: {manifest['counts']['skipped']})")
+        raise EaglewireError(f"--prompts {pset.label}: no usable sample (skipped: {manifest['counts']['skipped']})")
     return manifest
 
 
@@ -435,11 +436,12 @@ def run_datagen(target: targets.Target, prompts_path: str | Path, out_dir: str |
 def cmd_datagen(args) -> int:
     from .commands import _target_config
 
-    path = Path(args.prompts)
-    if not path.is_file():
-        raise UsageError(f"--prompts {path}: no such file")
-    if path.stat().st_size == 0:
-        raise UsageError(f"--prompts {path}: the file is empty")
+    paths = [Path(p) for p in args.prompts]
+    for path in paths:
+        if not path.is_file():
+            raise UsageError(f"--prompts {path}: no such file")
+        if path.stat().st_size == 0:
+            raise UsageError(f"--prompts {path}: the file is empty")
     gen = GenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     batch_size=args.gen_batch_size, batch_tokens=args.gen_batch_tokens, cache=args.gen_cache,
                     engine=args.gen_engine, seed=args.seed)
@@ -449,7 +451,7 @@ def cmd_datagen(args) -> int:
     contract = TapContract.parse(_target_config(args.target).num_hidden_layers, args.taps)
     dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.target_dtype]
     target = targets.load_target(args.target, dtype=dtype, device=args.device)
-    m = run_datagen(target, path, args.out, contract, **options)
+    m = run_datagen(target, paths, args.out, contract, **options)
     c = m["counts"]
     skipped = ", ".join(f"{n} {r}" for r, n in sorted(c["skipped"].items(), key=lambda rn: -rn[1])) or "none"
     print(f"{args.out}: {c['samples']} samples, {c['tokens']} tokens ({c['assistant_tokens']} assistant) in "
@@ -480,8 +482,9 @@ def register(sub) -> None:
 
     p = sub.add_parser("datagen", help="capture the target's taps over a prompt set into training shards")
     add_target_arg(p)
-    p.add_argument("--prompts", required=True, metavar="FILE",
-                   help="ShareGPT / OpenAI-messages JSON(L), a JSON list of prompts, or a .txt with one per line")
+    p.add_argument("--prompts", required=True, metavar="FILE", nargs="+",
+                   help="ShareGPT / OpenAI-messages JSON(L), a JSON list of prompts, or a .txt with one per line; "
+                        "several are pooled, a conversation that repeats one before it dropped")
     p.add_argument("--out", required=True, metavar="DIR", help="dataset directory (created, or resumed)")
     p.add_argument("--regen", action="store_true", help="have the target write the assistant turns itself")
     p.add_argument("--taps", default=None, help="canonical taps, comma-separated (default: 2,N//2,N-3)")

@@ -233,11 +233,19 @@ class PromptPool:
     def label(self) -> str:
         return " ".join(str(s.path) for s in self.sets)
 
+    @property
+    def sha256(self) -> str:
+        """The file's digest for one file, else a digest of the files' digests in order."""
+        if len(self.sets) == 1:
+            return self.sets[0].sha256
+        return hashlib.sha256(" ".join(s.sha256 for s in self.sets).encode()).hexdigest()
+
     def summary(self) -> dict:
         if len(self.sets) == 1 and not self.duplicates:  # as a single file always read (a resume compares it)
             return self.sets[0].summary()
-        return {"files": [s.summary() for s in self.sets], "conversations": len(self.conversations),
-                "duplicates": self.duplicates}
+        skipped = sum((Counter(s.skipped) for s in self.sets), Counter())
+        return {"files": [s.summary() for s in self.sets], "records": sum(s.records for s in self.sets),
+                "conversations": len(self.conversations), "skipped": dict(skipped), "duplicates": self.duplicates}
 
 
 def load_pool(paths: str | Path | list, need_assistant: bool = True) -> PromptPool:
