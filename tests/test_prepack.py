@@ -72,3 +72,38 @@ def test_prepack_refuses_what_it_cannot_pack():
     with pytest.raises(UsageError, match="prepack needs an fp32 target on a CPU"):
         decode.SpecDecoder(t, prepack=True)
     assert not decode.SpecDecoder(t).prepack  # auto: off for bf16
+
+
+def test_each_layer_calls_the_linear_this_machine_runs_faster(monkeypatch):
+    """Packing pays on one CPU and not on another (prepack.py: an AMD EPYC against an Intel Xeon, fifteenth run):
+    a PackedLinear times both ways per shape, at one row and at several, and calls the faster for the rows it
+    gets. Here the clock is rigged: dense wins at one row, packed at several."""
+    torch.manual_seed(0)
+    calls = []
+    monkeypatch.setattr(prepack, "_timed", {})
+    costs = {(1, "dense"): 1, (1, "packed"): 3, (8, "dense"): 3, (8, "packed"): 1}
+    now = [0.0]
+
+    def perf_counter():  # a side's call moves the clock on by its rigged cost
+        return now[0]
+
+    real = {side: getattr(prepack.PackedLinear, side) for side in ("dense", "packed")}
+    for side in real:
+        def spy(self, x, side=side):
+            rows = x.numel() // x.shape[-1]
+            now[0] += costs.get((rows, side), 0)
+            calls.append((rows, side))
+            return real[side](self, x)
+        monkeypatch.setattr(prepack.PackedLinear, side, spy)
+    monkeypatch.setattr(prepack.time, "perf_counter", perf_counter)
+    lin = torch.nn.Linear(24, 40)
+    layer = prepack.PackedLinear(lin)
+    assert layer.dense_for == (True, False) and prepack._timed[(24, 40, True, torch.get_num_threads())] == (True, False)
+    assert prepack.PackedLinear(torch.nn.Linear(24, 40)).dense_for == (True, False)  # timed once a shape
+    timed_calls = len(calls)
+    assert timed_calls == 2 * 2 * (prepack.TIMING_REPEATS + 1)
+    x1, x3 = torch.randn(1, 1, 24), torch.randn(3, 24)
+    torch.testing.assert_close(layer(x1), lin(x1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x3), lin(x3), rtol=1e-5, atol=1e-5)
+    assert calls[timed_calls:] == [(1, "dense"), (3, "packed")]
+    assert prepack.PackedLinear(lin, timed=False).dense_for == (False, False)

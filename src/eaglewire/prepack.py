@@ -15,11 +15,21 @@ weights themselves) is shared, not copied, so the caller's model is untouched (H
 same benchmark keeps its own). Smaller layers stay dense: a oneDNN call costs ~10 us whatever its
 size, more than the packing saves there (a 32x32 layer: 1.5 us dense, 11 us packed). The packed weights are
 a second copy of the linear layers in memory (about 0.5 GB for SmolLM2-135M in fp32).
+
+Whether the packed layout pays is the machine's, not the layer's. Those figures were an AMD EPYC's, where MKL
+is slow. On a 2-core Intel Xeon (AVX-512, AMX; fifteenth run) MKL read the lm_head's row as fast as oneDNN
+(3.5 ms either way) and the projections 40-60% faster at one row (576x1728: 99 against 159 us), while oneDNN still
+won at eight rows (lm_head 12.7 against 5.6 ms): packing everything made a plain step 52 ms against 44 for none.
+So each layer shape is timed both ways once a process, at one row and at PACK_ROWS (`dense_is_faster`), and a
+PackedLinear calls whichever was faster for the rows it gets.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .targets import shared_copy
@@ -43,17 +53,53 @@ class PackedLinear(nn.Module):
     reads them; the forward uses the packed copy.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, timed: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
         self.register_buffer("packed_weight", packed, persistent=False)
+        # (one row, several rows): whether MKL on the dense weight beats the packed copy here; timed=False packs
+        self.dense_for = dense_is_faster(self) if timed else (False, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_for[x.numel() != x.shape[-1]]:
+            return self.dense(x)
+        return self.packed(x)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.detach(), self.bias.detach() if self.bias is not None else None)
+
+    def packed(self, x: torch.Tensor) -> torch.Tensor:
         # dense in, dense out (inductor's CPU linear): no per-call conversion of the activations
         bias = self.bias.detach() if self.bias is not None else None
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+
+
+TIMING_REPEATS = 5
+_timed: dict[tuple, tuple[bool, bool]] = {}  # (in, out, bias, threads) -> PackedLinear.dense_for
+
+
+def dense_is_faster(layer: PackedLinear) -> tuple[bool, bool]:
+    """(at one row, at PACK_ROWS rows): whether this machine's dense linear beats the packed one for the layer's
+    shape. Each side's best of TIMING_REPEATS calls, taken in turn; once a shape and thread count a process
+    (SmolLM2-135M: 7 shapes, ~0.2 s, most of it the lm_head)."""
+    key = (layer.in_features, layer.out_features, layer.bias is not None, torch.get_num_threads())
+    if key not in _timed:
+        picks = []
+        with torch.no_grad():
+            for rows in (1, PACK_ROWS):
+                x = torch.randn(1, rows, layer.in_features, dtype=layer.weight.dtype)
+                times: dict[str, list[float]] = {"dense": [], "packed": []}
+                for i in range(TIMING_REPEATS + 1):
+                    for side in times:
+                        t0 = time.perf_counter()
+                        getattr(layer, side)(x)
+                        if i:  # the first round warms both up
+                            times[side].append(time.perf_counter() - t0)
+                picks.append(min(times["dense"]) <= min(times["packed"]))
+        _timed[key] = tuple(picks)
+    return _timed[key]
 
 
 def prepacked(module: nn.Module) -> nn.Module:
