@@ -74,36 +74,40 @@ def test_prepack_refuses_what_it_cannot_pack():
     assert not decode.SpecDecoder(t).prepack  # auto: off for bf16
 
 
-def test_each_layer_calls_the_linear_this_machine_runs_faster(monkeypatch):
+def test_each_layer_calls_the_linear_this_machine_runs_faster(monkeypatch, pack_all):
     """Packing pays on one CPU and not on another (prepack.py: an AMD EPYC against an Intel Xeon, fifteenth run):
-    a PackedLinear times both ways per shape, at one row and at several, and calls the faster for the rows it
-    gets. Here the clock is rigged: dense wins at one row, packed at several."""
+    `prepacked` times both ways per shape, at one row and at several, in passes over every layer (weights from
+    memory, as in a step), and each layer calls the faster for the rows it gets. The clock is
+    rigged here: dense wins at one row, packed at several."""
     torch.manual_seed(0)
-    calls = []
     monkeypatch.setattr(prepack, "_timed", {})
     costs = {(1, "dense"): 1, (1, "packed"): 3, (8, "dense"): 3, (8, "packed"): 1}
-    now = [0.0]
-
-    def perf_counter():  # a side's call moves the clock on by its rigged cost
-        return now[0]
-
+    now, calls = [0.0], []
+    monkeypatch.setattr(prepack.time, "perf_counter", lambda: now[0])  # a call moves it on by its rigged cost
     real = {side: getattr(prepack.PackedLinear, side) for side in ("dense", "packed")}
     for side in real:
         def spy(self, x, side=side):
             rows = x.numel() // x.shape[-1]
             now[0] += costs.get((rows, side), 0)
-            calls.append((rows, side))
+            calls.append((id(self), rows, side))
             return real[side](self, x)
         monkeypatch.setattr(prepack.PackedLinear, side, spy)
-    monkeypatch.setattr(prepack.time, "perf_counter", perf_counter)
-    lin = torch.nn.Linear(24, 40)
-    layer = prepack.PackedLinear(lin)
-    assert layer.dense_for == (True, False) and prepack._timed[(24, 40, True, torch.get_num_threads())] == (True, False)
-    assert prepack.PackedLinear(torch.nn.Linear(24, 40)).dense_for == (True, False)  # timed once a shape
-    timed_calls = len(calls)
-    assert timed_calls == 2 * 2 * (prepack.TIMING_REPEATS + 1)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 24),
+                                torch.nn.Linear(24, 40))
+    packed = prepack.prepacked(model)
+    first, second = packed[0], packed[3]
+    assert first.dense_for == second.dense_for == (True, False) and packed[2].dense_for == (True, False)
+    timing = calls[:]
+    assert len(timing) == 2 * 2 * (prepack.TIMING_REPEATS + 1) * 3  # rows x sides x passes x layers
+    # a pass calls every layer in turn, as a forward does (the weights come from memory, not from cache)
+    assert timing[:4] == [(id(first), 1, "dense"), (id(packed[2]), 1, "dense"), (id(second), 1, "dense"),
+                          (id(first), 1, "packed")]
+    assert prepack._timed[(24, 40, True, torch.get_num_threads())] == (True, False)
+    calls.clear()
+    again = prepack.prepacked(model)  # timed once a shape and thread count
+    assert not calls and again[0].dense_for == (True, False)
     x1, x3 = torch.randn(1, 1, 24), torch.randn(3, 24)
-    torch.testing.assert_close(layer(x1), lin(x1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer(x3), lin(x3), rtol=1e-5, atol=1e-5)
-    assert calls[timed_calls:] == [(1, "dense"), (3, "packed")]
-    assert prepack.PackedLinear(lin, timed=False).dense_for == (False, False)
+    torch.testing.assert_close(first(x1), model[0](x1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first(x3), model[0](x3), rtol=1e-5, atol=1e-5)
+    assert [c[1:] for c in calls] == [(1, "dense"), (3, "packed")]
+    assert prepack.PackedLinear(model[0]).dense_for == (False, False)  # a layer alone packs

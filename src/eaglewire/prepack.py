@@ -17,11 +17,11 @@ size, more than the packing saves there (a 32x32 layer: 1.5 us dense, 11 us pack
 a second copy of the linear layers in memory (about 0.5 GB for SmolLM2-135M in fp32).
 
 Whether the packed layout pays is the machine's, not the layer's. Those figures were an AMD EPYC's, where MKL
-is slow. On a 2-core Intel Xeon (AVX-512, AMX; fifteenth run) MKL read the lm_head's row as fast as oneDNN
-(3.5 ms either way) and the projections 40-60% faster at one row (576x1728: 99 against 159 us), while oneDNN still
-won at eight rows (lm_head 12.7 against 5.6 ms): packing everything made a plain step 52 ms against 44 for none.
-So each layer shape is timed both ways once a process, at one row and at PACK_ROWS (`dense_is_faster`), and a
-PackedLinear calls whichever was faster for the rows it gets.
+is slow. On a 2-core Intel Xeon (AVX-512, AMX; fifteenth run), with the weights out of cache as in a step, MKL was
+the faster at one row (gate/up 352 against 379 us, down 157 against 216) and oneDNN at four or eight (gate/up 400
+against 567 us at four; the lm_head 4.6 ms at one row or four, MKL 5.1 and 9.3): packing everything made a plain
+step 50-53 ms against 43-46. So each layer shape is timed both ways once a process, at one row and at PACK_ROWS
+(`time_layers`), and a PackedLinear calls whichever was faster for the rows it gets.
 """
 
 from __future__ import annotations
@@ -53,14 +53,14 @@ class PackedLinear(nn.Module):
     reads them; the forward uses the packed copy.
     """
 
-    def __init__(self, linear: nn.Linear, timed: bool = True):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
         self.register_buffer("packed_weight", packed, persistent=False)
-        # (one row, several rows): whether MKL on the dense weight beats the packed copy here; timed=False packs
-        self.dense_for = dense_is_faster(self) if timed else (False, False)
+        # (one row, several rows): whether MKL on the dense weight is the faster there (`time_layers`)
+        self.dense_for = (False, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense_for[x.numel() != x.shape[-1]]:
@@ -76,39 +76,51 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
 
 
-TIMING_REPEATS = 5
+TIMING_REPEATS = 3
 _timed: dict[tuple, tuple[bool, bool]] = {}  # (in, out, bias, threads) -> PackedLinear.dense_for
 
 
-def dense_is_faster(layer: PackedLinear) -> tuple[bool, bool]:
-    """(at one row, at PACK_ROWS rows): whether this machine's dense linear beats the packed one for the layer's
-    shape. Each side's best of TIMING_REPEATS calls, taken in turn; once a shape and thread count a process
-    (SmolLM2-135M: 7 shapes, ~0.2 s, most of it the lm_head)."""
-    key = (layer.in_features, layer.out_features, layer.bias is not None, torch.get_num_threads())
-    if key not in _timed:
-        picks = []
+def time_layers(layers: list[PackedLinear]) -> None:
+    """Set each layer's `dense_for`: (at one row, at PACK_ROWS rows) whether this machine's dense linear beats
+    the packed one for its shape. Timed as a forward meets them: a pass calls every layer once in turn, all of
+    them dense or all packed, and adds up each shape's calls, so the weights come from memory as in a step and
+    not from cache (a loop over one layer, whose weight stays in cache, favoured MKL where in a step oneDNN
+    won). Each side's best of TIMING_REPEATS passes; once a shape and thread count a process (SmolLM2-135M: 8
+    passes a side of ~25 ms each)."""
+    keys = [(m.in_features, m.out_features, m.bias is not None, torch.get_num_threads()) for m in layers]
+    todo = [(m, k) for m, k in zip(layers, keys) if k not in _timed]
+    if todo:
+        shapes = {k for _, k in todo}
+        picks: dict[tuple, list[bool]] = {k: [] for k in shapes}
         with torch.no_grad():
             for rows in (1, PACK_ROWS):
-                x = torch.randn(1, rows, layer.in_features, dtype=layer.weight.dtype)
-                times: dict[str, list[float]] = {"dense": [], "packed": []}
+                x = {m.in_features: torch.randn(1, rows, m.in_features, dtype=m.weight.dtype) for m, _ in todo}
+                best = {(k, side): float("inf") for k in shapes for side in ("dense", "packed")}
                 for i in range(TIMING_REPEATS + 1):
-                    for side in times:
-                        t0 = time.perf_counter()
-                        getattr(layer, side)(x)
-                        if i:  # the first round warms both up
-                            times[side].append(time.perf_counter() - t0)
-                picks.append(min(times["dense"]) <= min(times["packed"]))
-        _timed[key] = tuple(picks)
-    return _timed[key]
+                    for side in ("dense", "packed"):
+                        spent = dict.fromkeys(shapes, 0.0)
+                        for m, k in todo:
+                            t0 = time.perf_counter()
+                            getattr(m, side)(x[m.in_features])
+                            spent[k] += time.perf_counter() - t0
+                        if i:  # the first passes warm both up
+                            for k in shapes:
+                                best[k, side] = min(best[k, side], spent[k])
+                for k in shapes:
+                    picks[k].append(best[k, "dense"] <= best[k, "packed"])
+        _timed.update({k: tuple(v) for k, v in picks.items()})
+    for m, k in zip(layers, keys):
+        m.dense_for = _timed[k]
 
 
 def prepacked(module: nn.Module) -> nn.Module:
-    """A copy of `module` whose large nn.Linear layers are PackedLinear, all other tensors shared; the
-    module itself when none is large enough."""
+    """A copy of `module` whose large nn.Linear layers are PackedLinear (timed: `time_layers`), all other
+    tensors shared; the module itself when none is large enough."""
     if not any(_packs(m) for m in module.modules()):
         return module
     out = shared_copy(module)
     _swap(out)
+    time_layers([m for m in out.modules() if type(m) is PackedLinear])
     return out.eval()
 
 
