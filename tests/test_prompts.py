@@ -144,5 +144,8 @@ def test_a_pool_of_files_keeps_each_conversation_once(tmp_path):
     # one file without repeats: the summary a single file always had (a resumed run compares it)
     one = write_jsonl(tmp_path / "one.jsonl", [sharegpt("Hi", "Hello!")])
     assert load_pool(one).summary() == load_conversations(one).summary()
+    assert load_pool(one).sha256 == load_conversations(one).sha256
+    # a file with a repeat reads shorter than before: data made from it by position must not be resumed
+    assert load_pool(a).duplicates == 1 and load_pool(a).sha256 != load_conversations(a).sha256
     with pytest.raises(UsageError, match="missing.jsonl: no such file"):
         load_pool([one, tmp_path / "missing.jsonl"])

@@ -346,7 +346,8 @@ def capture_batched(target: targets.Target, contract: TapContract, seqs: list[to
 
 # ---- the run ------------------------------------------------------------------------------------
 
-def manifest_base(target: targets.Target, contract: TapContract, pset: prompts.PromptPool, cfg: DatagenConfig) -> dict:
+def manifest_base(target: targets.Target, contract: TapContract, pset: prompts.PromptPool,
+                  cfg: DatagenConfig) -> dict:
     fp = target.fingerprint or targets.fingerprint(target.model, target.tokenizer)
     model_dtype = next(target.model.parameters()).dtype
     return {

@@ -235,10 +235,11 @@ class PromptPool:
 
     @property
     def sha256(self) -> str:
-        """The file's digest for one file, else a digest of the files' digests in order."""
-        if len(self.sets) == 1:
+        """The file's digest for one file read whole, else a digest of the files' digests in order (a dataset
+        made from a file before its repeats were dropped must not be resumed by position in the shorter list)."""
+        if len(self.sets) == 1 and not self.duplicates:
             return self.sets[0].sha256
-        return hashlib.sha256(" ".join(s.sha256 for s in self.sets).encode()).hexdigest()
+        return hashlib.sha256(" ".join(s.sha256 for s in self.sets).encode() + b" unique").hexdigest()
 
     def summary(self) -> dict:
         if len(self.sets) == 1 and not self.duplicates:  # as a single file always read (a resume compares it)
@@ -260,4 +261,5 @@ def load_pool(paths: str | Path | list, need_assistant: bool = True) -> PromptPo
             if key not in seen:
                 seen.add(key)
                 convs.append(c)
-    return PromptPool(sets=sets, conversations=convs, duplicates=sum(len(s.conversations) for s in sets) - len(convs))
+    repeats = sum(len(s.conversations) for s in sets) - len(convs)
+    return PromptPool(sets=sets, conversations=convs, duplicates=repeats)
