@@ -111,3 +111,9 @@ def test_each_layer_calls_the_linear_this_machine_runs_faster(monkeypatch, pack_
     torch.testing.assert_close(first(x3), model[0](x3), rtol=1e-5, atol=1e-5)
     assert [c[1:] for c in calls] == [(1, "dense"), (3, "packed")]
     assert prepack.PackedLinear(model[0]).dense_for == (False, False)  # a layer alone packs
+    assert first.packed_weight.numel() > 0
+    monkeypatch.setattr(prepack, "_timed", {})
+    costs.update({(8, "dense"): 1, (8, "packed"): 3})  # dense wins at both: the packed copy is let go
+    dense_only = prepack.prepacked(model)
+    assert dense_only[0].dense_for == (True, True) and dense_only[0].packed_weight.numel() == 0
+    torch.testing.assert_close(dense_only[0](x3), model[0](x3), rtol=1e-5, atol=1e-5)

@@ -14,7 +14,8 @@ MIN_WEIGHTS weights is a `PackedLinear`; every other tensor (embeddings, norms, 
 weights themselves) is shared, not copied, so the caller's model is untouched (HF `generate` in the
 same benchmark keeps its own). Smaller layers stay dense: a oneDNN call costs ~10 us whatever its
 size, more than the packing saves there (a 32x32 layer: 1.5 us dense, 11 us packed). The packed weights are
-a second copy of the linear layers in memory (about 0.5 GB for SmolLM2-135M in fp32).
+a second copy of the linear layers in memory (about 0.5 GB for SmolLM2-135M in fp32), less the layers that are
+faster dense at every row count (`time_layers`).
 
 Whether the packed layout pays is the machine's, not the layer's. Those figures were an AMD EPYC's, where MKL
 is slow. On a 2-core Intel Xeon (AVX-512, AMX; fifteenth run), with the weights out of cache as in a step, MKL was
@@ -111,6 +112,8 @@ def time_layers(layers: list[PackedLinear]) -> None:
         _timed.update({k: tuple(v) for k, v in picks.items()})
     for m, k in zip(layers, keys):
         m.dense_for = _timed[k]
+        if all(m.dense_for):  # never called: the packed copy's memory goes back
+            m.packed_weight = torch.empty(0, dtype=m.weight.dtype)
 
 
 def prepacked(module: nn.Module) -> nn.Module:
