@@ -151,6 +151,7 @@ def test_bench_chain_json_table_plot(shift, prompt_file, tmp_path, capsys):
     assert r["settings"]["autotune"] is None  # nothing compiled, nothing autotuned
     assert bench.autotuned(torch.device("cuda")) == {"target": True, "draft": False}  # as the decoder ships
     assert r["settings"]["prepack"] is True  # asked for; the tiny layers are too small to pack:
+    assert r["settings"]["linears"] is None  # nor timed (prepack.choices: MKL or oneDNN for each packed shape)
     # "+onednn" names runs that did; "+fused": q/k/v and gate/up as one matmul each (small targets: default)
     assert r["runs"]["base"]["name"] == "eaglewire-base+fused"
     assert r["runs"]["spec"]["graphs_compiled_while_timed"] == 0

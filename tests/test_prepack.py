@@ -61,6 +61,7 @@ def test_decoder_packs_on_cpu_fp32_unless_told_or_compiling(llama, seqs, drafts,
     assert type(on.verifier.model.lm_head) is prepack.PackedLinear
     assert type(on.drafter.draft.lm_head) is prepack.PackedLinear
     assert type(off.verifier.model.lm_head) is torch.nn.Linear
+    assert off.linears is None and set(on.linears) >= {"32x128", "96x32"}  # the target lm_head, the draft fc
     for p in prompts(seqs)[:3]:
         ref = reference_greedy(llama.model, p, 24)
         assert on.generate(p, 24).tokens == ref and off.generate(p, 24).tokens == ref
@@ -103,6 +104,8 @@ def test_each_layer_calls_the_linear_this_machine_runs_faster(monkeypatch, pack_
     assert timing[:4] == [(id(first), 1, "dense"), (id(packed[2]), 1, "dense"), (id(second), 1, "dense"),
                           (id(first), 1, "packed")]
     assert prepack._timed[(24, 40, True, torch.get_num_threads())] == (True, False)
+    assert prepack.choices(packed) == {"24x40": "mkl at 1 row, onednn at 8", "40x24": "mkl at 1 row, onednn at 8"}
+    assert prepack.choices(model) is None  # nothing packed there
     calls.clear()
     again = prepack.prepacked(model)  # timed once a shape and thread count
     assert not calls and again[0].dense_for == (True, False)

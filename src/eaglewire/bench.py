@@ -378,6 +378,7 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
 
     result = build_result(cfg, t, meta, sp, prompts, gens, {k: r[0] for k, r in runners.items()}, device, dtype)
     result["warnings"] = list(runners["spec"][2].warnings)
+    result["settings"]["linears"] = runners["spec"][2].linears
     if json_out:
         write_json(result, json_out)
     if plot:

@@ -163,6 +163,7 @@ class SpecDecoder:
         self.fused_projections = fused is not target.model  # False when the model has no such group
         model = packing.prepacked(fused) if pack else fused
         self.prepack = model is not fused  # False too when no layer is large enough to pack
+        self.linears = packing.choices(model)  # which of MKL and oneDNN each packed shape calls
         self.grouped_attention = False  # stays so without shared K/V heads or sdpa
         grouped = grouped_attention if grouped_attention is not None else p.device.type == "cuda"
         if grouped:
@@ -186,6 +187,7 @@ class SpecDecoder:
         engine_draft = projections.fused(draft) if fuse else draft
         engine_draft = grouped_copy(engine_draft) if grouped else engine_draft
         engine_draft = packing.prepacked(engine_draft) if self.prepack else engine_draft
+        self.linears = packing.choices(model, engine_draft)
         self.draft_ids = torch.arange(draft.config.draft_vocab_size, device=p.device) + draft.d2t  # -> target id
         verify = s.K + 1 if s.mode == "chain" else s.budget + 1
         self.verifier = TargetRunner(model, meta.contract, sizes=(verify,), **graphs)

@@ -116,6 +116,14 @@ def time_layers(layers: list[PackedLinear]) -> None:
             m.packed_weight = torch.empty(0, dtype=m.weight.dtype)
 
 
+def choices(*modules: nn.Module) -> dict[str, str] | None:
+    """Which linear each PackedLinear in `modules` calls, by shape, for a bench's JSON:
+    {"576x3072": "mkl at 1 row, onednn at 8"}; None when nothing is packed."""
+    name = {True: "mkl", False: "onednn"}
+    return {f"{m.in_features}x{m.out_features}": f"{name[m.dense_for[0]]} at 1 row, {name[m.dense_for[1]]} at "
+            f"{PACK_ROWS}" for module in modules for m in module.modules() if type(m) is PackedLinear} or None
+
+
 def prepacked(module: nn.Module) -> nn.Module:
     """A copy of `module` whose large nn.Linear layers are PackedLinear (timed: `time_layers`), all other
     tensors shared; the module itself when none is large enough."""

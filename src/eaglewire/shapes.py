@@ -106,6 +106,7 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
                "acceptance": acceptance(g, c.chain if c.mode == "chain" else c.depth), "engines": engine_shapes(c),
                "greedy_check": greedy_check(t, prompts, {ref: gens[ref], "spec": g}, ref, dtype) if greedy else None,
                "warnings": list(dec.warnings)}
+        head["settings"]["linears"] = dec.linears  # the same in every shape: the target's and the draft's
         row["base_tokens_per_s"] = summarize(pair["base"], None)["tokens_per_s"]  # timed in turn with this shape
         row["spec/base"] = row["tokens_per_s"] / row["base_tokens_per_s"]
         row["spec/hf"] = row["spec/base"] * base_over_hf if base_over_hf else None
