@@ -51,7 +51,8 @@ class PackedLinear(nn.Module):
     """nn.Linear for inference over a oneDNN-packed copy of its weight (fp32, CPU).
 
     `weight` (and `bias`) stay the dense parameters, shared with the source layer, for code that
-    reads them; the forward uses the packed copy.
+    reads them; the forward calls the packed copy, or MKL on `weight` for the row counts where `time_layers`
+    found that faster (`dense_for`).
     """
 
     def __init__(self, linear: nn.Linear):
