@@ -437,12 +437,7 @@ def run_datagen(target: targets.Target, prompts_path: str | Path | list, out_dir
 def cmd_datagen(args) -> int:
     from .commands import _target_config
 
-    paths = [Path(p) for p in args.prompts]
-    for path in paths:
-        if not path.is_file():
-            raise UsageError(f"--prompts {path}: no such file")
-        if path.stat().st_size == 0:
-            raise UsageError(f"--prompts {path}: the file is empty")
+    paths = prompts.require_files(args.prompts)
     gen = GenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     batch_size=args.gen_batch_size, batch_tokens=args.gen_batch_tokens, cache=args.gen_cache,
                     engine=args.gen_engine, seed=args.seed)

@@ -57,6 +57,17 @@ class PromptSet:
                 "notes": list(self.notes)}
 
 
+def require_files(paths) -> list[Path]:
+    """--prompts FILE [FILE ...] checked before anything slow loads: each exists and is not empty."""
+    out = [Path(p) for p in paths]
+    for path in out:
+        if not path.is_file():
+            raise UsageError(f"--prompts {path}: no such file")
+        if path.stat().st_size == 0:
+            raise UsageError(f"--prompts {path}: the file is empty")
+    return out
+
+
 def read_text(path: str | Path) -> str:
     path = Path(path)
     if not path.is_file():
