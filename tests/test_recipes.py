@@ -245,6 +245,30 @@ def test_the_recipe_steers_its_self_written_prompts(target_dir, tmp_path, monkey
     assert written == ["Write one two three", "Solve four five six"]
 
 
+def test_long_recipe_pools_every_kind_of_reply(target_dir, tmp_path, monkeypatch):
+    """recipe long is full with the sixteenth run's data (README): every user turn up to the third answered by
+    the target, the file's own replies pooled in, task-steered self-written prompts; each can be turned off."""
+    asked = []
+
+    def writer(target, n, gen, dist, openers):
+        asked.append((n, openers))
+        return ["Write one two three"]
+
+    monkeypatch.setattr(datagen, "self_prompts", writer)
+    recipe = recipes._override(recipes.RECIPES["long"], recipe_args(
+        "long", "--set", "steps=1", "--set", "batch_tokens=512", "--set", "max_len=128", "--set", "eval_fraction=0.5",
+        "--max-new-tokens", "4", "--max-prompts", "3"))
+    report = recipes.run_recipe(recipe, tmp_path / "r", target=str(target_dir),
+                                prompts_path=sharegpt(tmp_path / "sg.json"), device="cpu", progress=False)
+    assert asked == [(25000, datagen.OPENERS)]
+    first = json.loads(open(tmp_path / "r" / "regenerated.jsonl").readline())["messages"]
+    assert [m["content"] for m in first if m["role"] == "user"] == ["Name a color.", "Another?"]  # both its turns
+    assert report["prompts"]["dataset_replies"]["conversations"] == 3
+    assert (tmp_path / "r" / "training.jsonl").read_text().count("\n") == report["regenerated"]["conversations"] + 3
+    off = recipes._override(recipes.RECIPES["long"], recipe_args("long", "--no-dataset-replies", "--self-prompts", "0"))
+    assert (off.dataset_replies, off.self_prompts, off.turns) == (False, 0, 3)
+
+
 def test_init_from_is_checked_before_regeneration(target_dir, tmp_path, capsys):
     args = recipe_args("full", "--init-from", str(tmp_path / "nowhere"))
     assert recipes._override(recipes.RECIPES["full"], args).train.init_from == str(tmp_path / "nowhere")
