@@ -62,6 +62,9 @@ def test_decoder_packs_on_cpu_fp32_unless_told_or_compiling(llama, seqs, drafts,
     assert type(on.drafter.draft.lm_head) is prepack.PackedLinear
     assert type(off.verifier.model.lm_head) is torch.nn.Linear
     assert off.linears is None and set(on.linears) >= {"32x128", "96x32"}  # the target lm_head, the draft fc
+    # timed at the rows each runs: a step, the verify (K+1), PACK_ROWS; the draft's extends and steps
+    assert set(on.verifier.model.lm_head.dense_at) == {1, CHAIN["K"] + 1, prepack.PACK_ROWS}
+    assert set(on.drafter.draft.lm_head.dense_at) == {1, CHAIN["K"] + 1, prepack.PACK_ROWS}
     for p in prompts(seqs)[:3]:
         ref = reference_greedy(llama.model, p, 24)
         assert on.generate(p, 24).tokens == ref and off.generate(p, 24).tokens == ref
@@ -77,9 +80,9 @@ def test_prepack_refuses_what_it_cannot_pack():
 
 def test_each_layer_calls_the_linear_this_machine_runs_faster(monkeypatch, pack_all):
     """Packing pays on one CPU and not on another (prepack.py: an AMD EPYC against an Intel Xeon, fifteenth run):
-    `prepacked` times both ways per shape, at one row and at several, in passes over every layer (weights from
-    memory, as in a step), and each layer calls the faster for the rows it gets. The clock is
-    rigged here: dense wins at one row, packed at several."""
+    `prepacked` times both ways per shape, at each row count it is given, in passes over every layer (weights
+    from memory, as in a step), and each layer calls the faster for the rows it gets. The clock is rigged here:
+    dense wins at one row, packed at eight."""
     torch.manual_seed(0)
     monkeypatch.setattr(prepack, "_timed", {})
     costs = {(1, "dense"): 1, (1, "packed"): 3, (8, "dense"): 3, (8, "packed"): 1}
@@ -97,26 +100,38 @@ def test_each_layer_calls_the_linear_this_machine_runs_faster(monkeypatch, pack_
                                 torch.nn.Linear(24, 40))
     packed = prepack.prepacked(model)
     first, second = packed[0], packed[3]
-    assert first.dense_for == second.dense_for == (True, False) and packed[2].dense_for == (True, False)
+    assert first.dense_at == second.dense_at == packed[2].dense_at == {1: True, 8: False}
     timing = calls[:]
     assert len(timing) == 2 * 2 * (prepack.TIMING_REPEATS + 1) * 3  # rows x sides x passes x layers
     # a pass calls every layer in turn, as a forward does (the weights come from memory, not from cache)
     assert timing[:4] == [(id(first), 1, "dense"), (id(packed[2]), 1, "dense"), (id(second), 1, "dense"),
                           (id(first), 1, "packed")]
-    assert prepack._timed[(24, 40, True, torch.get_num_threads())] == (True, False)
+    threads = torch.get_num_threads()
+    assert prepack._timed[(24, 40, True, threads, 1)] is True and prepack._timed[(24, 40, True, threads, 8)] is False
     assert prepack.choices(packed) == {"24x40": "mkl at 1 row, onednn at 8", "40x24": "mkl at 1 row, onednn at 8"}
     assert prepack.choices(model) is None  # nothing packed there
     calls.clear()
-    again = prepack.prepacked(model)  # timed once a shape and thread count
-    assert not calls and again[0].dense_for == (True, False)
+    again = prepack.prepacked(model)  # timed once a shape, row count and thread count
+    assert not calls and again[0].dense_at == {1: True, 8: False}
     x1, x3 = torch.randn(1, 1, 24), torch.randn(3, 24)
     torch.testing.assert_close(first(x1), model[0](x1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(first(x3), model[0](x3), rtol=1e-5, atol=1e-5)
-    assert [c[1:] for c in calls] == [(1, "dense"), (3, "packed")]
-    assert prepack.PackedLinear(model[0]).dense_for == (False, False)  # a layer alone packs
-    assert first.packed_weight.numel() > 0
+    assert [c[1:] for c in calls] == [(1, "dense"), (3, "packed")]  # 3 rows: as at 8, the next count timed
+    alone = prepack.PackedLinear(model[0])
+    assert alone.dense_at == {} and alone.packed_weight.numel() > 0  # a layer alone packs
+    # MKL's cost jumps between 3 rows and 4 on the Intel Xeon (sixteenth run): a 3-row verify is timed as such
+    costs.update({(3, "dense"): 1, (3, "packed"): 3})
+    calls.clear()
+    three = prepack.prepacked(model, (1, 3, 8))
+    assert {c[1] for c in calls} == {3}  # only the row count not timed before
+    assert three[0].dense_at == {1: True, 3: True, 8: False}
+    assert prepack.choices(three)["24x40"] == "mkl at 1 row, mkl at 3, onednn at 8"
+    calls.clear()
+    for rows in (1, 2, 3, 4, 8, 20):
+        three[0](torch.randn(rows, 24))
+    assert [c[2] for c in calls] == ["dense", "dense", "dense", "packed", "packed", "packed"]
     monkeypatch.setattr(prepack, "_timed", {})
     costs.update({(8, "dense"): 1, (8, "packed"): 3})  # dense wins at both: the packed copy is let go
     dense_only = prepack.prepacked(model)
-    assert dense_only[0].dense_for == (True, True) and dense_only[0].packed_weight.numel() == 0
+    assert dense_only[0].dense_at == {1: True, 8: True} and dense_only[0].packed_weight.numel() == 0
     torch.testing.assert_close(dense_only[0](x3), model[0](x3), rtol=1e-5, atol=1e-5)

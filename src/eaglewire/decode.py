@@ -161,7 +161,11 @@ class SpecDecoder:
             sum(q.numel() for q in target.model.parameters()) <= FUSE_MAX_PARAMS
         fused = projections.fused(target.model) if fuse else target.model
         self.fused_projections = fused is not target.model  # False when the model has no such group
-        model = packing.prepacked(fused) if pack else fused
+        s = self.spec
+        verify = (s.K + 1 if s.mode == "chain" else s.budget + 1) if draft is not None else None
+        # timed at each row count it will run (prepack.py): a step, the verify, PACK_ROWS for prefills
+        rows = (1, packing.PACK_ROWS) + ((verify,) if verify else ())
+        model = packing.prepacked(fused, rows) if pack else fused
         self.prepack = model is not fused  # False too when no layer is large enough to pack
         self.linears = packing.choices(model)  # which of MKL and oneDNN each packed shape calls
         self.grouped_attention = False  # stays so without shared K/V heads or sdpa
@@ -179,22 +183,20 @@ class SpecDecoder:
         self.warnings = check_pair(target, draft, meta, strict)
         for w in self.warnings:
             warnings.warn(w, stacklevel=2)
-        s = self.spec
         if s.mode == "tree" and s.topk > draft.config.draft_vocab_size:
             raise UsageError(f"--topk {s.topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size} tokens)")
         draft.to(device=p.device, dtype=p.dtype).eval()
         # the draft's steps are as bound by their kernel count as the target's: the same fusions
         engine_draft = projections.fused(draft) if fuse else draft
         engine_draft = grouped_copy(engine_draft) if grouped else engine_draft
-        engine_draft = packing.prepacked(engine_draft) if self.prepack else engine_draft
-        self.linears = packing.choices(model, engine_draft)
-        self.draft_ids = torch.arange(draft.config.draft_vocab_size, device=p.device) + draft.d2t  # -> target id
-        verify = s.K + 1 if s.mode == "chain" else s.budget + 1
-        self.verifier = TargetRunner(model, meta.contract, sizes=(verify,), **graphs)
         if s.mode == "chain":  # extends of up to K+1 rows, then single steps
             sizes, pending = (1, s.K + 1), s.K - 1
         else:  # extends of up to depth+1 rows, then frontiers of topk
             sizes, pending = (s.topk, s.depth + 1), (s.depth - 1) * s.topk
+        engine_draft = packing.prepacked(engine_draft, (1, packing.PACK_ROWS, *sizes)) if self.prepack else engine_draft
+        self.linears = packing.choices(model, engine_draft)
+        self.draft_ids = torch.arange(draft.config.draft_vocab_size, device=p.device) + draft.d2t  # -> target id
+        self.verifier = TargetRunner(model, meta.contract, sizes=(verify,), **graphs)
         self.drafter = DraftRunner(engine_draft, sizes=sizes, max_pending=pending, **graphs)
         # greedy rounds on static shapes go on without waiting for the host (rounds.py)
         self.rounds = None if not self.drafter.static else ChainRounds(self.drafter, self.verifier, s.K) \

@@ -21,8 +21,11 @@ Whether the packed layout pays is the machine's, not the layer's. Those figures 
 is slow. On a 2-core Intel Xeon (AVX-512, AMX; fifteenth run), with the weights out of cache as in a step, MKL was
 the faster at one row (gate/up 352 against 379 us, down 157 against 216) and oneDNN at four or eight (gate/up 400
 against 567 us at four; the lm_head 4.6 ms at one row or four, MKL 5.1 and 9.3): packing everything made a plain
-step 50-53 ms against 43-46. So each layer shape is timed both ways once a process, at one row and at PACK_ROWS
-(`time_layers`), and a PackedLinear calls whichever was faster for the rows it gets.
+step 50-53 ms against 43-46. MKL's cost jumps between three rows and four there (sixteenth run, all 30 layers'
+projections: 19.1, 20.5, 22.1, 34.3 ms at 1-4 rows; oneDNN 25.5-26.7 at 1-4), so a 3-row verify wants MKL and a
+4-row one oneDNN. So each layer shape is timed both ways once a process, at each row count the caller will run
+(`prepacked(rows=...)`: one row, the verify's rows, PACK_ROWS), and a PackedLinear calls whichever was faster for
+the rows it gets: a row count not timed goes the way of the next larger one that was.
 """
 
 from __future__ import annotations
@@ -52,87 +55,101 @@ class PackedLinear(nn.Module):
 
     `weight` (and `bias`) stay the dense parameters, shared with the source layer, for code that
     reads them; the forward calls the packed copy, or MKL on `weight` for the row counts where `time_layers`
-    found that faster (`dense_for`).
+    found that faster (`dense_at`).
     """
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        # views without autograd, made once: a detach a call cost ~2% of a CPU decode step's host time
+        self._w, self._b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
         self.register_buffer("packed_weight", packed, persistent=False)
-        # (one row, several rows): whether MKL on the dense weight is the faster there (`time_layers`)
-        self.dense_for = (False, False)
+        self.dense_at = {}  # rows -> whether MKL on the dense weight is the faster there (`time_layers`)
+
+    @property
+    def dense_at(self) -> dict[int, bool]:
+        return self._dense_at
+
+    @dense_at.setter
+    def dense_at(self, timed: dict[int, bool]) -> None:
+        self._dense_at = dict(sorted(timed.items()))
+        # route[n]: dense or not for n rows (the last entry for more): the choice at the fewest timed rows >= n
+        counts = list(self._dense_at) or [1]
+        self._route = tuple(self._dense_at.get(next((c for c in counts if c >= n), counts[-1]), False)
+                            for n in range(counts[-1] + 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense_for[x.numel() != x.shape[-1]]:
+        route = self._route
+        if route[min(x.numel() // x.shape[-1], len(route) - 1)]:
             return self.dense(x)
         return self.packed(x)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.detach(), self.bias.detach() if self.bias is not None else None)
+        return F.linear(x, self._w, self._b)
 
     def packed(self, x: torch.Tensor) -> torch.Tensor:
         # dense in, dense out (inductor's CPU linear): no per-call conversion of the activations
-        bias = self.bias.detach() if self.bias is not None else None
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self._b, "none", [], "")
 
 
 TIMING_REPEATS = 3
-_timed: dict[tuple, tuple[bool, bool]] = {}  # (in, out, bias, threads) -> PackedLinear.dense_for
+_timed: dict[tuple, bool] = {}  # (in, out, bias, threads, rows) -> whether dense is the faster
 
 
-def time_layers(layers: list[PackedLinear]) -> None:
-    """Set each layer's `dense_for`: (at one row, at PACK_ROWS rows) whether this machine's dense linear beats
-    the packed one for its shape. Timed as a forward meets them: a pass calls every layer once in turn, all of
+def time_layers(layers: list[PackedLinear], rows: tuple[int, ...] = (1, PACK_ROWS)) -> None:
+    """Set each layer's `dense_at`: at each row count in `rows`, whether this machine's dense linear beats the
+    packed one for its shape. Timed as a forward meets them: a pass calls every layer once in turn, all of
     them dense or all packed, and adds up each shape's calls, so the weights come from memory as in a step and
     not from cache (a loop over one layer, whose weight stays in cache, favoured MKL where in a step oneDNN
-    won). Each side's best of TIMING_REPEATS passes; once a shape and thread count a process (SmolLM2-135M: 8
-    passes a side of ~25 ms each)."""
-    keys = [(m.in_features, m.out_features, m.bias is not None, torch.get_num_threads()) for m in layers]
-    todo = [(m, k) for m, k in zip(layers, keys) if k not in _timed]
-    if todo:
-        shapes = {k for _, k in todo}
-        picks: dict[tuple, list[bool]] = {k: [] for k in shapes}
-        with torch.no_grad():
-            for rows in (1, PACK_ROWS):
-                x = {m.in_features: torch.randn(1, rows, m.in_features, dtype=m.weight.dtype) for m, _ in todo}
-                best = {(k, side): float("inf") for k in shapes for side in ("dense", "packed")}
-                for i in range(TIMING_REPEATS + 1):
-                    for side in ("dense", "packed"):
-                        spent = dict.fromkeys(shapes, 0.0)
-                        for m, k in todo:
-                            t0 = time.perf_counter()
-                            getattr(m, side)(x[m.in_features])
-                            spent[k] += time.perf_counter() - t0
-                        if i:  # the first passes warm both up
-                            for k in shapes:
-                                best[k, side] = min(best[k, side], spent[k])
-                for k in shapes:
-                    picks[k].append(best[k, "dense"] <= best[k, "packed"])
-        _timed.update({k: tuple(v) for k, v in picks.items()})
-    for m, k in zip(layers, keys):
-        m.dense_for = _timed[k]
-        if all(m.dense_for):  # never called: the packed copy's memory goes back
+    won). Each side's best of TIMING_REPEATS passes; once a shape, row count and thread count a process
+    (SmolLM2-135M: 8 passes a side of ~25 ms each a row count)."""
+    rows = tuple(sorted(set(rows)))
+    threads = torch.get_num_threads()
+    shape = {id(m): (m.in_features, m.out_features, m.bias is not None, threads) for m in layers}
+    with torch.no_grad():
+        for n in rows:
+            todo = [m for m in layers if (*shape[id(m)], n) not in _timed]
+            if not todo:
+                continue
+            shapes = {shape[id(m)] for m in todo}
+            x = {m.in_features: torch.randn(1, n, m.in_features, dtype=m.weight.dtype) for m in todo}
+            best = {(k, side): float("inf") for k in shapes for side in ("dense", "packed")}
+            for i in range(TIMING_REPEATS + 1):
+                for side in ("dense", "packed"):
+                    spent = dict.fromkeys(shapes, 0.0)
+                    for m in todo:
+                        t0 = time.perf_counter()
+                        getattr(m, side)(x[m.in_features])
+                        spent[shape[id(m)]] += time.perf_counter() - t0
+                    if i:  # the first passes warm both up
+                        for k in shapes:
+                            best[k, side] = min(best[k, side], spent[k])
+            _timed.update({(*k, n): best[k, "dense"] <= best[k, "packed"] for k in shapes})
+    for m in layers:
+        m.dense_at = {n: _timed[(*shape[id(m)], n)] for n in rows}
+        if all(m.dense_at.values()):  # never called: the packed copy's memory goes back
             m.packed_weight = torch.empty(0, dtype=m.weight.dtype)
 
 
 def choices(*modules: nn.Module) -> dict[str, str] | None:
-    """Which linear each PackedLinear in `modules` calls, by shape, for a bench's JSON:
+    """Which linear each PackedLinear in `modules` calls, by shape and row count, for a bench's JSON:
     {"576x3072": "mkl at 1 row, onednn at 8"}; None when nothing is packed."""
     name = {True: "mkl", False: "onednn"}
-    return {f"{m.in_features}x{m.out_features}": f"{name[m.dense_for[0]]} at 1 row, {name[m.dense_for[1]]} at "
-            f"{PACK_ROWS}" for module in modules for m in module.modules() if type(m) is PackedLinear} or None
+    return {f"{m.in_features}x{m.out_features}": ", ".join(f"{name[d]} at {n}" + (" row" if n == 1 else "")
+                                                           for n, d in m.dense_at.items())
+            for module in modules for m in module.modules() if type(m) is PackedLinear} or None
 
 
-def prepacked(module: nn.Module) -> nn.Module:
-    """A copy of `module` whose large nn.Linear layers are PackedLinear (timed: `time_layers`), all other
-    tensors shared; the module itself when none is large enough."""
+def prepacked(module: nn.Module, rows: tuple[int, ...] = (1, PACK_ROWS)) -> nn.Module:
+    """A copy of `module` whose large nn.Linear layers are PackedLinear (timed at each row count in `rows`:
+    `time_layers`), all other tensors shared; the module itself when none is large enough."""
     if not any(_packs(m) for m in module.modules()):
         return module
     out = shared_copy(module)
     _swap(out)
-    time_layers([m for m in out.modules() if type(m) is PackedLinear])
+    time_layers([m for m in out.modules() if type(m) is PackedLinear], rows)
     return out.eval()
 
 
