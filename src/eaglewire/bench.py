@@ -513,7 +513,9 @@ def register(sub) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true")
     comp = p.add_mutually_exclusive_group()
     comp.add_argument("--compile", dest="compile", action="store_const", const=True, default=None,
-                      help="torch.compile our decoder's forwards (default: on cuda only; the first steps compile)")
+                      help="torch.compile our decoder's forwards (default: on cuda only; the first steps compile). On a "
+                           "CPU it needs a C++ compiler and gives up oneDNN packing; on an Intel Xeon it made a "
+                           "step 20%% faster and a chain of 2 the fastest shape")
     comp.add_argument("--no-compile", dest="compile", action="store_const", const=False)
     p.add_argument("--no-prepack", action="store_true",
                    help="plain nn.Linear in our decoder on a CPU (default: oneDNN-packed weights in fp32)")
