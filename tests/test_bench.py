@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from eaglewire import bench, targets
+from eaglewire import bench, prepack, targets
 from eaglewire.bench import (BenchConfig, acceptance, first_divergence, greedy_check, Generation, run_bench,
                              run_prompts)
 from eaglewire.checkpoint import save_draft
@@ -284,11 +284,13 @@ def test_bad_inputs_are_one_line_errors(shift, random_pair, prompt_file, tmp_pat
         assert lines[0].startswith("eaglewire bench: error: ")
 
 
-def test_bench_shapes_times_each_shape_in_turn_with_the_run_without_a_draft(shift, prompt_file, tmp_path, capsys):
+def test_bench_shapes_times_each_shape_in_turn_with_the_run_without_a_draft(shift, prompt_file, tmp_path, capsys,
+                                                                            monkeypatch):
     """`bench --shapes`: HF and the base decoder once, then each shape; every row named in SGLang's and vLLM's
     words (interop/serve.py: SGLang counts the verified root among its draft tokens, and forces steps + 1 on
     a chain), the fastest named with its export command. The shift pair accepts exactly one draft token a
-    step, whatever the chain's length."""
+    step, whatever the chain's length. Its layers packed, each shape's linears are timed at its verify's rows."""
+    monkeypatch.setattr(prepack, "MIN_WEIGHTS", 0)  # the tiny layers are below the size that pays
     target, draft = shift
     out, png = tmp_path / "shapes.json", tmp_path / "shapes.png"
     code = main(["bench", "--target", target, "--draft", draft, "--suite", prompt_file, "--max-new-tokens", "12",
@@ -321,6 +323,9 @@ def test_bench_shapes_times_each_shape_in_turn_with_the_run_without_a_draft(shif
     assert (f"--format sglang --num-steps {a['num_steps']} --topk {a['topk']} --draft-tokens {a['draft_tokens']}"
             in table)
     assert r["settings"]["draft"][2] == {"mode": "tree", "depth": 2, "topk": 2, "budget": 3}
+    rows_timed = [{n for v in linears.values() for n in re.findall(r"at (\d+)", v)}
+                  for linears in [r["settings"]["linears"]] + [row["linears"] for row in r["shapes"]]]
+    assert rows_timed == [{"1", "8"}, {"1", "2", "8"}, {"1", "4", "8"}, {"1", "2", "3", "4", "8"}]
     assert "judged in fp32 only" not in table
     for check in [r["base_check"]] + [row["greedy_check"] for row in r["shapes"]]:  # as a bf16 run reports them
         check.update(ok=None, mismatches=[{"run": "spec", "prompt": 0, "position": 3}])
