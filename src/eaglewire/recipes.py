@@ -10,7 +10,7 @@
           (`torchrun --nproc-per-node 2`): full with ShareGPT's first three user turns, ShareGPT's own
           replies beside the target's, and 25,000 task-steered prompts the target writes itself.
 
-Under `torchrun --nproc_per_node N -m eaglewire.cli recipe full ...` every rank loads the target,
+Under `torchrun --nproc_per_node N -m eaglewire.cli recipe full|long ...` every rank loads the target,
 regenerates every N-th conversation and trains the draft (DDP) on all of them; rank 0 writes.
 
 Stages: prompts -> regenerate -> (datagen) -> train -> report. Each stage's time, the training
@@ -90,8 +90,8 @@ RECIPES: dict[str, Recipe] = {
                    train=TrainConfig(epochs=20, batch_tokens=16384, lr=1e-3, min_lr_ratio=0.1, draft_vocab_size=32000,
                                      eval_fraction=0.02, log_every=25, ckpt_every=0, max_len=1024, num_workers=0)),
 }
-# Two H200s (2026-11-30, sixteenth run in docs/PERFORMANCE.md): 34,673 replies in 200 s, then 5,700 DDP steps
-# at 178k tokens/s: held-out acc@1 0.760, MT-bench chain 7 3.34 and tree d10 k10 b63 5.07, as good as
+# Two H200s (2026-11-30, sixteenth run in docs/PERFORMANCE.md): 34,673 conversations answered in 200 s, then
+# 5,700 DDP steps at 178k tokens/s: held-out acc@1 0.760, MT-bench chain 7 3.34 and tree d10 k10 b63 5.07, as good as
 # eight runs and three GPU hours of fine-tuning had made before. On one GPU the replies take twice as long
 # and training sees under half the tokens.
 RECIPES["long"] = dataclasses.replace(RECIPES["full"], name="long", turns=3, dataset_replies=True, self_prompts=25000,
@@ -378,8 +378,8 @@ def cmd_recipe(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("recipe", help="run the whole pipeline with preset settings: demo (CPU) or full (one GPU, or N under "
-                                          "torchrun)")
+    p = sub.add_parser("recipe", help="run the whole pipeline with preset settings: demo (CPU), full or long (one "
+                                          "GPU, or N under torchrun)")
     p.add_argument("recipe", choices=sorted(RECIPES), help="demo: CPU, minutes; full: ShareGPT on one H200, one "
                    "10-minute run; long: the best draft, ~22 minutes on two H200s under torchrun")
     p.add_argument("--out", required=True, metavar="DIR", help="new or empty directory for everything it makes")
