@@ -245,16 +245,21 @@ class PromptPool:
         return " ".join(str(s.path) for s in self.sets)
 
     @property
+    def whole_file(self) -> PromptSet | None:
+        """The one file, read whole (no repeat dropped): the pool is described as that file always was."""
+        return self.sets[0] if len(self.sets) == 1 and not self.duplicates else None
+
+    @property
     def sha256(self) -> str:
         """The file's digest for one file read whole, else a digest of the files' digests in order (a dataset
         made from a file before its repeats were dropped must not be resumed by position in the shorter list)."""
-        if len(self.sets) == 1 and not self.duplicates:
-            return self.sets[0].sha256
+        if self.whole_file is not None:
+            return self.whole_file.sha256
         return hashlib.sha256(" ".join(s.sha256 for s in self.sets).encode() + b" unique").hexdigest()
 
     def summary(self) -> dict:
-        if len(self.sets) == 1 and not self.duplicates:  # as a single file always read (a resume compares it)
-            return self.sets[0].summary()
+        if self.whole_file is not None:  # as a single file always read (a resume compares it)
+            return self.whole_file.summary()
         skipped = sum((Counter(s.skipped) for s in self.sets), Counter())
         return {"files": [s.summary() for s in self.sets], "records": sum(s.records for s in self.sets),
                 "conversations": len(self.conversations), "skipped": dict(skipped), "duplicates": self.duplicates}

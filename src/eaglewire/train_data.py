@@ -124,7 +124,7 @@ def build_online(target, prompt_files: str | Path | list, contract: TapContract,
     chat.require_chat_template(target.tokenizer, f"--target {target.spec}")
     pset = prompts.load_pool(prompt_files, need_assistant=regen is None)
     convs: list = pset.conversations
-    if dist.main and (len(pset.sets) > 1 or pset.duplicates):
+    if dist.main and pset.whole_file is None:
         print(f"eaglewire train: --prompts: {len(convs)} conversations from {len(pset.sets)} file(s), "
               f"{pset.duplicates} repeats dropped", file=sys.stderr)
     if regen is not None:
