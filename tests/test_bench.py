@@ -157,6 +157,20 @@ def test_bench_chain_json_table_plot(shift, prompt_file, tmp_path, capsys):
     assert r["runs"]["spec"]["graphs_compiled_while_timed"] == 0
 
 
+def test_shape_defaults_follow_the_device():
+    """A shape left out is the device's (decode.DEFAULT_SHAPES): a chain of 2 and a d4 k3 b8 tree on a CPU;
+    what is given is kept. The JSON's settings carry the resolved values."""
+    cpu = BenchConfig(suite="s", device="cpu")
+    assert (cpu.chain, cpu.depth, cpu.topk, cpu.budget) == (2, 4, 3, 8)
+    assert cpu.draft_shape() == {"mode": "chain", "K": 2}
+    tree = BenchConfig(suite="s", device="cpu", mode="tree", depth=2)
+    assert tree.draft_shape() == {"mode": "tree", "depth": 2, "topk": 3, "budget": 8}
+    with pytest.raises(UsageError, match="--chain must be >= 1"):
+        BenchConfig(suite="s", device="cpu", chain=0)
+    with pytest.raises(UsageError, match="--device tpu: not a device torch knows"):
+        BenchConfig(suite="s", device="tpu")
+
+
 def test_compile_setting(monkeypatch):
     cfg = BenchConfig(suite="s")
     assert cfg.compile == "auto" and cfg.compiles(torch.device("cuda")) and not cfg.compiles(torch.device("cpu"))

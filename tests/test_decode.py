@@ -500,6 +500,14 @@ def test_bad_decoder_settings(llama, drafts, small):
         decode.SpecDecoder(t, sd, smeta, mode="tree", topk=7)
 
 
+def test_shape_left_out_is_the_devices(llama, drafts):
+    """K, depth, topk, budget not given: decode.DEFAULT_SHAPES for the target's device (a CPU's here)."""
+    d, meta = drafts["random"]
+    assert decode.SpecDecoder(llama, d, meta).spec == decode.SpecConfig(mode="chain", K=2, depth=4, topk=3, budget=8)
+    tree = decode.SpecDecoder(llama, d, meta, mode="tree", budget=5).spec
+    assert (tree.mode, tree.depth, tree.topk, tree.budget) == ("tree", 4, 3, 5)
+
+
 def test_captured_functions_never_read_the_device(llama, seqs, drafts, monkeypatch):
     """What a CUDA graph captures must not read a value back to the host (`.item()`, a 0-d index, a
     data-dependent shape): capture fails on the GPU (seen on an H200 in the one-replay chain). Here

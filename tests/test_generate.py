@@ -1,6 +1,7 @@
 """`eaglewire generate` end to end on a tiny chat target saved as a model directory (char tokenizer,
 ChatML template): streamed text equals the target's own greedy text; bad input is one line, exit 2."""
 
+import argparse
 import io
 import json
 import re
@@ -12,7 +13,7 @@ from eaglewire import targets
 from eaglewire.checkpoint import save_draft
 from eaglewire.cli import main
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.generate import TextStream, encode
+from eaglewire.generate import TextStream, draft_shape, encode
 from eaglewire.taps import TapContract
 
 CONTRACT = TapContract(8, (2, 4, 5))
@@ -102,6 +103,22 @@ def test_generate_streams_the_targets_greedy_text(env, capsys):
         assert out == want + "\n", extra
         assert ("no speculation" in err) if extra == ["--no-spec"] else ("acceptance length" in err), err
         assert "compiling included" not in err
+        if not extra:  # the shape a CPU gets when none is given (decode.DEFAULT_SHAPES)
+            assert err.rstrip().endswith("(chain K=2)"), err
+
+
+def test_default_shape_follows_the_device():
+    """No shape flags: a chain of 7 on CUDA, 2 on a CPU; a tree takes what is not given from the device's
+    defaults; given values are kept. Resolved from the device's type alone, so CUDA's is checked here too."""
+    def args(**kw):
+        return argparse.Namespace(**{"tree": False, "chain": None, "depth": None, "topk": None, "budget": None, **kw})
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 1)
+    assert draft_shape(args(), cuda) == {"mode": "chain", "K": 7}
+    assert draft_shape(args(), cpu) == {"mode": "chain", "K": 2}
+    assert draft_shape(args(chain=5), cpu) == {"mode": "chain", "K": 5}
+    assert draft_shape(args(tree=True), cuda) == {"mode": "tree", "depth": 6, "topk": 8, "budget": 63}
+    assert draft_shape(args(tree=True, topk=2), cpu) == {"mode": "tree", "depth": 4, "topk": 2, "budget": 8}
 
 
 def test_compile_flag(env, capsys):
@@ -160,6 +177,7 @@ def test_text_stream_writes_as_tokens_arrive():
     (["--draft", "D", "--prompt", "hi", "--temperature", -1], "temperature must be"),
     (["--draft", "D", "--prompt", "hi", "--device", "cuda"] if not torch.cuda.is_available() else
      ["--draft", "D", "--prompt", "hi", "--chain", -1], "CUDA is not available|K must be"),
+    (["--draft", "D", "--prompt", "hi", "--device", "gpu"], "--device gpu: not a device torch knows"),
 ])
 def test_bad_input_is_one_line(env, capsys, argv, msg):
     argv = [env["draft"] if a == "D" else a for a in argv]

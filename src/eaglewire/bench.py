@@ -43,6 +43,7 @@ import torch
 from . import suites, targets
 from .acceptance import SamplingParams
 from .bench_report import floor_ms, format_table, machine_info, plot_acceptance, write_json
+from .decode import default_shape, shape_defaults
 from .draft_runner import DraftRunner
 from .errors import EaglewireError, UsageError
 from .runners import TargetRunner
@@ -63,10 +64,10 @@ class BenchConfig:
     top_p: float = 1.0
     top_k: int = 0
     mode: str = "chain"
-    chain: int = 7  # K
-    depth: int = 6
-    topk: int = 8
-    budget: int = 63
+    chain: int | None = None  # K; None (each of these four): decode.DEFAULT_SHAPES for the device
+    depth: int | None = None
+    topk: int | None = None
+    budget: int | None = None
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str | None = None  # None: fp32 on cpu, bf16 on cuda
     hf: bool = True
@@ -90,7 +91,10 @@ class BenchConfig:
             bad("max_new_tokens", "must be >= 1")
         if self.mode not in ("chain", "tree"):
             bad("mode", "must be chain or tree")
-        for f in ("chain", "depth", "topk", "budget"):
+        defaults = default_shape(targets.pick_device(self.device))
+        for f, key in (("chain", "K"), ("depth", "depth"), ("topk", "topk"), ("budget", "budget")):
+            if getattr(self, f) is None:
+                object.__setattr__(self, f, defaults[key])  # frozen: resolved once, here
             if getattr(self, f) < 1:
                 bad(f, "must be >= 1")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -350,9 +354,7 @@ def _load(target, draft, device: torch.device, dtype: torch.dtype):
 def prepare(target, draft, cfg: BenchConfig) -> tuple:
     """(device, dtype, suite prompts, target, draft, meta, encoded prompts, EOS ids) for a run; the cheap
     errors (device, suite, context) before the models load or anything is timed."""
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    device = targets.pick_device(cfg.device)
     dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     sp = suites.load_suite(cfg.suite, cfg.max_prompts)
     t, draft_model, meta = _load(target, draft, device, dtype)
@@ -455,7 +457,7 @@ def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict
 def cmd_bench(args) -> int:
     settings = dict(max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     top_p=args.top_p, top_k=args.top_k, mode="tree" if args.tree else "chain",
-                    chain=args.chain or 7, depth=args.depth, topk=args.topk, budget=args.budget, device=args.device,
+                    chain=args.chain, depth=args.depth, topk=args.topk, budget=args.budget, device=args.device,
                     dtype=args.dtype, hf=not args.no_hf, hf_cache=args.hf_cache, cuda_graphs=not args.no_cuda_graphs,
                     compile="auto" if args.compile is None else args.compile, prepack=not args.no_prepack,
                     fuse_projections=not args.no_fuse_projections, grouped_attention=args.grouped_attention,
@@ -494,11 +496,13 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--chain", type=int, default=None, metavar="K", help="chain of K draft tokens (default 7)")
+    p.add_argument("--chain", type=int, default=None, metavar="K",
+                   help=f"chain of K draft tokens (default {shape_defaults('K')})")
     p.add_argument("--tree", action="store_true", help="EAGLE-2 tree drafting (--depth, --topk, --budget)")
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--budget", type=int, default=63, help="draft tokens per tree after pruning")
+    p.add_argument("--depth", type=int, default=None, help=f"tree depth (default {shape_defaults('depth')})")
+    p.add_argument("--topk", type=int, default=None, help=f"children per node (default {shape_defaults('topk')})")
+    p.add_argument("--budget", type=int, default=None,
+                   help=f"draft tokens per tree after pruning (default {shape_defaults('budget')})")
     p.add_argument("--shapes", default=None, metavar="LIST",
                    help="time several shapes in one run instead, e.g. chain:4,chain:7,tree:6x8x63 (depth x topk x "
                         "budget): the fastest, with its engine flags (--plot: tok/s against acceptance)")

@@ -45,6 +45,23 @@ GREEDY = SamplingParams()
 # Fingerprint fields a draft can differ in and still run (a fine-tuned or re-quantized target, another
 # chat template): a warning, an error with strict. Any other difference is always an error.
 SOFT_FIELDS = ("weights_hash", "chat_template_hash", "architecture", "model_type", "tokenizer_hash")
+# The shape a round drafts where none is given (docs/PERFORMANCE.md). On a GPU a round is bound by launches, so a
+# long chain or a wide tree costs little more than one token: chain 7 and tree d6 k8 b63 were the fastest on an
+# H200. On a CPU each draft step and each verified row costs its own time. Two cores of an Intel Xeon, one bench:
+# chain 2 1.30x HF, chain 3 1.14x, chain 7 1.00x, tree d4 k3 b8 1.16x, d6 k8 b63 0.86x; on an AMD EPYC chain 3
+# and d4 k3 b8 led chain 2 by 6-9%.
+DEFAULT_SHAPES = {"cuda": {"K": 7, "depth": 6, "topk": 8, "budget": 63},
+                  "cpu": {"K": 2, "depth": 4, "topk": 3, "budget": 8}}
+
+
+def default_shape(device: torch.device) -> dict[str, int]:
+    """K, depth, topk and budget for a decoder on this device where none is given."""
+    return DEFAULT_SHAPES["cuda" if device.type == "cuda" else "cpu"]
+
+
+def shape_defaults(key: str) -> str:
+    """'7 on CUDA, 3 on a CPU' for K: a help text's default."""
+    return f"{DEFAULT_SHAPES['cuda'][key]} on CUDA, {DEFAULT_SHAPES['cpu'][key]} on a CPU"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,10 +70,10 @@ class SpecConfig:
     expanded node and `topk` nodes expanded per level, pruned to `budget` draft tokens."""
 
     mode: str = "chain"
-    K: int = 7
-    depth: int = 6
-    topk: int = 8
-    budget: int = 63
+    K: int
+    depth: int
+    topk: int
+    budget: int
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -118,6 +135,8 @@ class SpecDecoder:
     dec = SpecDecoder(target, draft, meta, mode="tree", depth=6, topk=8, budget=63)
     res = dec.generate(input_ids, 256, SamplingParams(temperature=0), eos_ids=[2], stream=print)
 
+    K, depth, topk and budget left out take DEFAULT_SHAPES for the target's device.
+
     static_shapes pads every step to fixed sizes over the whole cache, as CUDA graphs need (on by
     itself with cuda_graphs or compile; on a CPU it checks that logic). compile runs both models'
     static forwards through torch.compile (inductor fuses the many small kernels of a decoder layer;
@@ -137,15 +156,19 @@ class SpecDecoder:
     device/dtype move the target (and the draft follows the target).
     """
 
-    def __init__(self, target, draft=None, meta=None, *, mode: str = "chain", K: int = 7, depth: int = 6,
-                 topk: int = 8, budget: int = 63, device=None, dtype=None, cuda_graphs: bool = False,
-                 static_shapes: bool = False, compile: bool = False, prepack: bool | None = None,
-                 fuse_projections: bool | None = None, grouped_attention: bool | None = None, strict: bool = False):
-        self.spec = SpecConfig(mode=mode, K=K, depth=depth, topk=topk, budget=budget)
+    def __init__(self, target, draft=None, meta=None, *, mode: str = "chain", K: int | None = None,
+                 depth: int | None = None, topk: int | None = None, budget: int | None = None, device=None,
+                 dtype=None, cuda_graphs: bool = False, static_shapes: bool = False, compile: bool = False,
+                 prepack: bool | None = None, fuse_projections: bool | None = None,
+                 grouped_attention: bool | None = None, strict: bool = False):
+        p = next(target.model.parameters())
+        defaults = default_shape(torch.device(device) if device is not None else p.device)
+        given = dict(K=K, depth=depth, topk=topk, budget=budget)
+        self.spec = SpecConfig(mode=mode, **{k: defaults[k] if v is None else v for k, v in given.items()})
         self.target, self.draft = target, draft
         if device is not None or dtype is not None:
             target.model.to(device=device, dtype=dtype)
-        p = next(target.model.parameters())
+            p = next(target.model.parameters())
         self.device, self.vocab = p.device, target.config.vocab_size
         if cuda_graphs and p.device.type != "cuda":
             raise UsageError(f"CUDA graphs need the target on a CUDA device, it is on {p.device}")

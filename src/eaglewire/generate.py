@@ -13,12 +13,11 @@ from pathlib import Path
 
 import torch
 
+from .decode import SpecConfig, SpecDecoder, default_shape, shape_defaults
 from .errors import UsageError
-from .targets import eos_ids
+from .targets import eos_ids, pick_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TREE_DEFAULTS = {"depth": 6, "topk": 8, "budget": 63}
-CHAIN_DEFAULT = 7
 
 
 def read_messages(path: str) -> list[dict]:
@@ -81,33 +80,30 @@ class TextStream:
         self.out.flush()
 
 
-def draft_shape(args) -> dict:
-    """SpecDecoder keywords from --chain K | --tree --depth --topk --budget."""
-    tree_flags = [f"--{k}" for k in TREE_DEFAULTS if getattr(args, k) is not None]
-    if not args.tree:
-        if tree_flags:
-            raise UsageError(f"{', '.join(tree_flags)} shape a tree: add --tree (or drop them for a chain)")
-        return {"mode": "chain", "K": args.chain if args.chain is not None else CHAIN_DEFAULT}
-    return {"mode": "tree", **{k: getattr(args, k) if getattr(args, k) is not None else v
-                               for k, v in TREE_DEFAULTS.items()}}
+def draft_shape(args, device: torch.device) -> dict:
+    """SpecDecoder keywords from --chain K | --tree --depth --topk --budget; what is not given, the device's."""
+    tree = ("depth", "topk", "budget")
+    tree_flags = [f"--{k}" for k in tree if getattr(args, k) is not None]
+    if not args.tree and tree_flags:
+        raise UsageError(f"{', '.join(tree_flags)} shape a tree: add --tree (or drop them for a chain)")
+    given = {k: getattr(args, k) for k in tree} if args.tree else {"K": args.chain}
+    defaults = default_shape(device)
+    return {"mode": "tree" if args.tree else "chain", **{k: defaults[k] if v is None else v for k, v in given.items()}}
 
 
 def cmd_generate(args) -> int:
     from . import targets
     from .acceptance import SamplingParams
-    from .decode import SpecConfig, SpecDecoder
 
-    shape = draft_shape(args)
-    SpecConfig(**shape)  # bad shapes fail before anything loads
+    device = pick_device(args.device)
+    shape = draft_shape(args, device)
+    SpecConfig(**{**default_shape(device), **shape})  # bad shapes fail before anything loads
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.draft is None and not args.no_spec:
         raise UsageError("--draft CKPT is required (or --no-spec to decode with the target alone)")
     messages = read_messages(args.messages) if args.messages else None
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("--prompt is empty: give the text to continue or answer")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: CUDA is not available on this machine")
     dtype = DTYPES[args.dtype] if args.dtype else None
     target = targets.load_target(args.target, dtype=dtype, device=device)
     draft = meta = None
@@ -158,14 +154,14 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
-    g = p.add_argument_group("drafting (default: a chain of 7)")
+    g = p.add_argument_group(f"drafting (default: a chain of {shape_defaults('K')})")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--chain", type=int, default=None, metavar="K", help="a chain of K draft tokens per step")
     shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
-    g.add_argument("--depth", type=int, default=None, help=f"tree depth (default {TREE_DEFAULTS['depth']})")
-    g.add_argument("--topk", type=int, default=None, help=f"children per node (default {TREE_DEFAULTS['topk']})")
+    g.add_argument("--depth", type=int, default=None, help=f"tree depth (default {shape_defaults('depth')})")
+    g.add_argument("--topk", type=int, default=None, help=f"children per node (default {shape_defaults('topk')})")
     g.add_argument("--budget", type=int, default=None,
-                   help=f"draft tokens verified per step (default {TREE_DEFAULTS['budget']})")
+                   help=f"draft tokens verified per step (default {shape_defaults('budget')})")
     g.add_argument("--no-spec", action="store_true", help="no draft: the same engine, one target step per token")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--strict", action="store_true", help="a target fingerprint mismatch is an error, not a warning")

@@ -163,11 +163,23 @@ def resolve(spec: str) -> Path:
                      "a model directory or a .gguf file")
 
 
+def pick_device(name: str | torch.device | None = None) -> torch.device:
+    """--device: cuda where there is one, else cpu; one that torch does not know or this machine lacks is a
+    usage error."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise UsageError(f"--device {name}: not a device torch knows; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    return device
+
+
 def load_target(spec: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Target:
     """Load a target for inference. Default dtype: fp32 on CPU, bf16 on CUDA."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     path = resolve(spec)
     if path.suffix == ".gguf":
