@@ -1,9 +1,11 @@
 """parallel.Dist.setup: which process group a torchrun rank joins, and on which device."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from eaglewire.parallel import Dist
+from eaglewire.errors import UsageError
+from eaglewire.parallel import Dist, pick_device
 
 
 def joined(monkeypatch, cuda: bool, local_rank: int):
@@ -47,3 +49,14 @@ def test_mfu_of_several_gpus_is_per_gpu(capsys):
     metrics.print_summary("ckpt", {"tokens_per_s": 182431.0, "mfu": mfu, "peak_tflops": 989.0, "world_size": 2,
                                    "flops_per_token": 1.24e9})
     assert "MFU 11.4% of 989 TFLOP/s on each of 2 GPUs" in capsys.readouterr().out
+
+
+def test_one_process_device(monkeypatch):
+    """--device: the CPU where no CUDA is; a name torch does not know, or CUDA on a machine without it, is one
+    usage error (train, generate, bench and datagen all resolve it here)."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert Dist.setup(None).device == torch.device("cpu") and pick_device("cpu") == torch.device("cpu")
+    for name, msg in (("gpu", "--device gpu: not a device torch knows"), ("cuda:1", "CUDA is not available")):
+        with pytest.raises(UsageError, match=msg):
+            Dist.setup(name)

@@ -44,6 +44,7 @@ from . import suites, targets
 from .acceptance import SamplingParams
 from .bench_report import floor_ms, format_table, machine_info, plot_acceptance, write_json
 from .decode import default_shape, shape_defaults
+from .parallel import pick_device
 from .draft_runner import DraftRunner
 from .errors import EaglewireError, UsageError
 from .runners import TargetRunner
@@ -91,7 +92,7 @@ class BenchConfig:
             bad("max_new_tokens", "must be >= 1")
         if self.mode not in ("chain", "tree"):
             bad("mode", "must be chain or tree")
-        defaults = default_shape(targets.pick_device(self.device))
+        defaults = default_shape(pick_device(self.device))
         for f, key in (("chain", "K"), ("depth", "depth"), ("topk", "topk"), ("budget", "budget")):
             if getattr(self, f) is None:
                 object.__setattr__(self, f, defaults[key])  # frozen: resolved once, here
@@ -354,7 +355,7 @@ def _load(target, draft, device: torch.device, dtype: torch.dtype):
 def prepare(target, draft, cfg: BenchConfig) -> tuple:
     """(device, dtype, suite prompts, target, draft, meta, encoded prompts, EOS ids) for a run; the cheap
     errors (device, suite, context) before the models load or anything is timed."""
-    device = targets.pick_device(cfg.device)
+    device = pick_device(cfg.device)
     dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     sp = suites.load_suite(cfg.suite, cfg.max_prompts)
     t, draft_model, meta = _load(target, draft, device, dtype)

@@ -15,7 +15,8 @@ import torch
 
 from .decode import SpecConfig, SpecDecoder, default_shape, shape_defaults
 from .errors import UsageError
-from .targets import eos_ids, pick_device
+from .parallel import pick_device
+from .targets import eos_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

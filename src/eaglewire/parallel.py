@@ -1,4 +1,5 @@
-"""Ranks and devices for training: one process, or torchrun's world (DDP; FSDP2 with --fsdp).
+"""The device a command runs on (`--device`), and ranks for training: one process, or torchrun's world (DDP;
+FSDP2 with --fsdp).
 
 DDP averages gradients over ranks; FSDP2 (`fully_shard` per draft layer, then the root) shards
 parameters, gradients and optimizer state, for drafts too big to replicate. Full (unsharded)
@@ -13,6 +14,20 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from .errors import UsageError
+
+
+def pick_device(name: str | torch.device | None = None) -> torch.device:
+    """--device: cuda where there is one, else cpu; one that torch does not know or this machine lacks is a
+    usage error."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise UsageError(f"--device {name}: not a device torch knows; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    return device
 
 
 @dataclass
@@ -29,7 +44,7 @@ class Dist:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
         if world == 1:
-            return cls(0, 1, torch.device(device or ("cuda" if cuda else "cpu")), False)
+            return cls(0, 1, pick_device(device), False)
         import torch.distributed as dist
 
         local = int(os.environ.get("LOCAL_RANK", "0"))

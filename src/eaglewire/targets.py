@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .errors import EaglewireError, UsageError
+from .parallel import pick_device
 from .files import file_digest
 
 
@@ -161,18 +162,6 @@ def resolve(spec: str) -> Path:
         return p
     raise UsageError(f"--target {spec}: not a registry name ({', '.join(sorted(REGISTRY))}), "
                      "a model directory or a .gguf file")
-
-
-def pick_device(name: str | torch.device | None = None) -> torch.device:
-    """--device: cuda where there is one, else cpu; one that torch does not know or this machine lacks is a
-    usage error."""
-    try:
-        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        raise UsageError(f"--device {name}: not a device torch knows; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: CUDA is not available on this machine")
-    return device
 
 
 def load_target(spec: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Target:
