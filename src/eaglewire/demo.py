@@ -45,10 +45,10 @@ def cmd_demo(args) -> int:
           ["recipe", "demo", "--out", str(run), "--target", t, "--no-progress"])
     _step("speculative generation with the demo draft",
           ["generate", "--target", t, "--draft", str(draft), "--prompt", PROMPT, "--max-new-tokens", "48",
-           "--chain", "5", "--device", "cpu"])
+           "--device", "cpu"])  # the CPU's default shape (decode.DEFAULT_SHAPES)
     _step("benchmark: HF generate vs eaglewire without and with the draft",
           ["bench", "--target", t, "--draft", str(draft), "--suite", str(prompts), "--max-prompts", "3",
-           "--max-new-tokens", "32", "--chain", "5", "--device", "cpu", "--json", str(out / "bench.json"),
+           "--max-new-tokens", "32", "--device", "cpu", "--json", str(out / "bench.json"),
            "--plot", str(out / "acceptance.png")])
     for fmt in ("sglang", "vllm"):
         exported = out / f"export-{fmt}"
