@@ -157,7 +157,7 @@ def test_bench_chain_json_table_plot(shift, prompt_file, tmp_path, capsys):
     assert r["runs"]["spec"]["graphs_compiled_while_timed"] == 0
 
 
-def test_shape_defaults_follow_the_device():
+def test_default_shape_text_follow_the_device():
     """A shape left out is the device's (decode.DEFAULT_SHAPES): a chain of 2 and a d4 k3 b8 tree on a CPU;
     what is given is kept. The JSON's settings carry the resolved values."""
     cpu = BenchConfig(suite="s", device="cpu")

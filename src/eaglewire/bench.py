@@ -43,7 +43,7 @@ import torch
 from . import suites, targets
 from .acceptance import SamplingParams
 from .bench_report import floor_ms, format_table, machine_info, plot_acceptance, write_json
-from .decode import default_shape, shape_defaults
+from .decode import default_shape, default_shape_text
 from .parallel import pick_device
 from .draft_runner import DraftRunner
 from .errors import EaglewireError, UsageError
@@ -498,12 +498,12 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--chain", type=int, default=None, metavar="K",
-                   help=f"chain of K draft tokens (default {shape_defaults('K')})")
+                   help=f"chain of K draft tokens (default {default_shape_text('K')})")
     p.add_argument("--tree", action="store_true", help="EAGLE-2 tree drafting (--depth, --topk, --budget)")
-    p.add_argument("--depth", type=int, default=None, help=f"tree depth (default {shape_defaults('depth')})")
-    p.add_argument("--topk", type=int, default=None, help=f"children per node (default {shape_defaults('topk')})")
+    p.add_argument("--depth", type=int, default=None, help=f"tree depth (default {default_shape_text('depth')})")
+    p.add_argument("--topk", type=int, default=None, help=f"children per node (default {default_shape_text('topk')})")
     p.add_argument("--budget", type=int, default=None,
-                   help=f"draft tokens per tree after pruning (default {shape_defaults('budget')})")
+                   help=f"draft tokens per tree after pruning (default {default_shape_text('budget')})")
     p.add_argument("--shapes", default=None, metavar="LIST",
                    help="time several shapes in one run instead, e.g. chain:4,chain:7,tree:6x8x63 (depth x topk x "
                         "budget): the fastest, with its engine flags (--plot: tok/s against acceptance)")

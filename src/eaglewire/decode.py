@@ -59,7 +59,7 @@ def default_shape(device: torch.device) -> dict[str, int]:
     return DEFAULT_SHAPES["cuda" if device.type == "cuda" else "cpu"]
 
 
-def shape_defaults(key: str) -> str:
+def default_shape_text(key: str) -> str:
     """'7 on CUDA, 3 on a CPU' for K: a help text's default."""
     return f"{DEFAULT_SHAPES['cuda'][key]} on CUDA, {DEFAULT_SHAPES['cpu'][key]} on a CPU"
 

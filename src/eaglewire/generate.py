@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .decode import SpecConfig, SpecDecoder, default_shape, shape_defaults
+from .decode import SpecConfig, SpecDecoder, default_shape, default_shape_text
 from .errors import UsageError
 from .parallel import pick_device
 from .targets import eos_ids
@@ -155,14 +155,14 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
-    g = p.add_argument_group(f"drafting (default: a chain of {shape_defaults('K')})")
+    g = p.add_argument_group(f"drafting (default: a chain of {default_shape_text('K')})")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--chain", type=int, default=None, metavar="K", help="a chain of K draft tokens per step")
     shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
-    g.add_argument("--depth", type=int, default=None, help=f"tree depth (default {shape_defaults('depth')})")
-    g.add_argument("--topk", type=int, default=None, help=f"children per node (default {shape_defaults('topk')})")
+    g.add_argument("--depth", type=int, default=None, help=f"tree depth (default {default_shape_text('depth')})")
+    g.add_argument("--topk", type=int, default=None, help=f"children per node (default {default_shape_text('topk')})")
     g.add_argument("--budget", type=int, default=None,
-                   help=f"draft tokens verified per step (default {shape_defaults('budget')})")
+                   help=f"draft tokens verified per step (default {default_shape_text('budget')})")
     g.add_argument("--no-spec", action="store_true", help="no draft: the same engine, one target step per token")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--strict", action="store_true", help="a target fingerprint mismatch is an error, not a warning")
