@@ -44,9 +44,9 @@ from . import suites, targets
 from .acceptance import SamplingParams
 from .bench_report import floor_ms, format_table, machine_info, plot_acceptance, write_json
 from .decode import default_shape, default_shape_text
-from .parallel import pick_device
 from .draft_runner import DraftRunner
 from .errors import EaglewireError, UsageError
+from .parallel import pick_device
 from .runners import TargetRunner
 
 PROGRESS_EVERY_S = 10.0  # a line at most this often while the runs are timed

@@ -60,7 +60,7 @@ def default_shape(device: torch.device) -> dict[str, int]:
 
 
 def default_shape_text(key: str) -> str:
-    """'7 on CUDA, 3 on a CPU' for K: a help text's default."""
+    """'7 on CUDA, 2 on a CPU' for K: a help text's default, from DEFAULT_SHAPES."""
     return f"{DEFAULT_SHAPES['cuda'][key]} on CUDA, {DEFAULT_SHAPES['cpu'][key]} on a CPU"
 
 

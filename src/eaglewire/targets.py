@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from .errors import EaglewireError, UsageError
-from .parallel import pick_device
 from .files import file_digest
+from .parallel import pick_device
 
 
 @dataclass(frozen=True)
