@@ -146,7 +146,7 @@ MATMUL_ROWS = 64  # --attention matmul: grouped, with verifies of up to this man
 ROUNDS = ("on", "batched", "off")
 
 
-# the tree's selections: as shipped (orders by ranking, top-k in two stages: tree.RANK_SORT_MAX, tree.TOPK_GROUP) or
+# the tree's selections: as shipped (orders by ranking, top-k by groups: tree.RANK_SORT_MAX, tree.TOPK_GROUP) or
 # aten's sort and top-k as they are
 TREE_SELECT = {"ours": (tree.RANK_SORT_MAX, tree.TOPK_GROUP), "aten": (0, 0)}
 
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
                    "(every verdict read back); on,batched,off times each in turn")
     p.add_argument("--tree-select", default="ours", metavar="CHOICES",
                    help="how a tree's round orders scores and takes the draft's top-k: ours (as shipped: ranking, "
-                   "top-k in two stages) or aten (its sort and top-k); ours,aten times each in turn")
+                   "top-k by groups, on CUDA) or aten (its sort and top-k); ours,aten times each in turn")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above: sampled rounds "
                    "(seed 0 in every arm), --rounds off reading each verdict back")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")

@@ -245,15 +245,38 @@ def test_stable_order_by_ranking_equals_a_stable_sort(n):
                        torch.sort(x.long().clamp(-9, 9) * n + torch.arange(n), stable=True).indices)
 
 
-@pytest.mark.parametrize("vocab,k", [(49152, 8), (1000, 10), (1003, 3), (64, 64)])
-def test_top_k_in_two_stages_equals_aten(vocab, k, monkeypatch):
-    """tree.top_k (the draft's candidates: the top k of each group, then of those) gives torch.topk's values and,
-    without ties, its indices; a vocabulary that is no whole number of groups is padded, never indexed past."""
-    monkeypatch.setattr(tree_mod, "TOPK_GROUP", 1024 if vocab > 10000 else 16)
-    g = torch.Generator().manual_seed(vocab)
-    x = torch.randn(8, vocab, generator=g).log_softmax(-1)
-    values, idx = tree_mod.top_k(x, k)
+def test_stable_order_ranks_each_row_of_a_batch():
+    """Rows order apart (top_k_by_groups ranks the groups and the candidates of every frontier row at once)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-3, 3, (4, 50), generator=g).float()
+    want = torch.sort(x, stable=True).indices
+    assert torch.equal(tree_mod.stable_order(x), want)
+    assert torch.equal(tree_mod.stable_order(x), torch.stack([tree_mod.stable_order(r) for r in x]))
+
+
+@pytest.mark.parametrize("vocab,k,g", [(32000, 8, 64), (49152, 10, 64), (1003, 3, 16), (200, 8, 16)])
+def test_top_k_by_groups_equals_aten(vocab, k, g):
+    """tree.top_k_by_groups (the draft's candidates on CUDA: the top k of the k groups with the highest maxima)
+    gives torch.topk's values and, without ties, its indices; with ties (integer logits) the same values at
+    distinct indices that hold them; a vocabulary that is no whole number of groups is padded, never indexed past."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(8, vocab, generator=gen).log_softmax(-1)
+    values, idx = tree_mod.top_k_by_groups(x, k, g)
     want_values, want_idx = x.topk(k, dim=-1)
     assert torch.equal(values, want_values) and torch.equal(idx, want_idx)
+    ties = torch.randint(-3, 3, (8, vocab), generator=gen).float()
+    values, idx = tree_mod.top_k_by_groups(ties, k, g)
+    assert torch.equal(values, ties.topk(k, dim=-1).values) and torch.equal(ties.gather(1, idx), values)
+    assert all(len(set(row.tolist())) == k for row in idx)
     x[:, 1:] = float("-inf")  # fewer than k candidates above -inf: indices stay in the vocabulary
-    assert int(tree_mod.top_k(x, k)[1].max()) < vocab and torch.equal(tree_mod.top_k(x, k)[0][:, 0], x[:, 0])
+    values, idx = tree_mod.top_k_by_groups(x, k, g)
+    assert int(idx.max()) < vocab and torch.equal(values[:, 0], x[:, 0])
+    assert torch.equal(idx[:, 0], torch.zeros(8, dtype=torch.long))
+
+
+def test_top_k_takes_groups_on_cuda_only(monkeypatch):
+    """On a CPU top_k is aten's (one cheap pass there; the rankings cost ~30x more eager); the groups are for CUDA."""
+    called = []
+    monkeypatch.setattr(tree_mod, "top_k_by_groups", lambda *a: called.append(a) or None)
+    x = torch.randn(2, 5000)
+    assert torch.equal(tree_mod.top_k(x, 4)[1], x.topk(4, dim=-1).indices) and not called

@@ -50,36 +50,44 @@ def _(x: torch.Tensor) -> torch.Tensor:
 # pair: a few kernels that a compiled round fuses, where aten's stable sort is a cub radix sort of several launches
 # (14 sorts in a d7 k8 tree round, thirteenth-run profile). 0 = aten's sort always.
 RANK_SORT_MAX = 1024
-# A draft's top-k over its vocabulary goes in two stages when the rows are longer than two groups: the top k of each
-# group of TOPK_GROUP logits, then the top k of those. aten's top-k of a few long rows is a multi-block radix select
-# (4 passes of ~4 kernels each at 49,152 entries, thirteenth-run profile); of many short rows it is one kernel.
-# 0 = aten's top-k as is. Both together took a d7 k8 b63 round on an H200 from 2.765 to 2.610 ms (thirteenth run,
-# `decode_steps.py --tree-select ours,aten`).
-TOPK_GROUP = 1024
+# A draft's top-k over its vocabulary (k small) comes from the k groups of TOPK_GROUP logits with the highest maxima,
+# which hold every value of the top k whatever the ties, each step ordered by ranking: a few kernels that a compiled
+# round fuses. aten's top-k (of whole rows, or of groups of 1,024 and then of those, as until the eighteenth run) is a
+# radix select and a bitonic sort of its result: two of each a level, 0.25 ms of a d6 k8 b63 round on an H200
+# (eighteenth-run profile). 0 = aten's top-k as is.
+TOPK_GROUP = 64
 
 
 def stable_order(x: torch.Tensor) -> torch.Tensor:
-    """argsort_stable(x) (ascending, ties to the lower index), by ranking when x is short."""
-    n = x.shape[0]
+    """argsort_stable(x) along the last dimension (ascending, ties to the lower index), by ranking when rows are
+    short."""
+    n = x.shape[-1]
     if n > RANK_SORT_MAX:
         return argsort_stable(x)
     i = torch.arange(n, device=x.device)
-    before = (x[None, :] < x[:, None]) | ((x[None, :] == x[:, None]) & (i[None, :] < i[:, None]))  # [a, b]: b first
-    return torch.empty_like(i).scatter_(0, before.sum(1), i)
+    a, b = x[..., None, :], x[..., :, None]  # [.., r, c]: does c go before r?
+    before = (a < b) | ((a == b) & (i < i[:, None]))
+    return torch.empty(x.shape, dtype=torch.long, device=x.device).scatter_(-1, before.sum(-1), i.expand(x.shape))
 
 
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k, dim=-1) of (F, V) rows: the same values, best first (where values tie, the indices may differ)."""
-    f, v = x.shape
-    g = TOPK_GROUP
-    if not g or v <= 2 * g or k > g:
+    """x.topk(k, dim=-1) of (F, V) rows: the same values, best first (where values tie, the indices may differ).
+    By groups on CUDA only: on a CPU aten's top-k is one cheap pass, and rankings there cost what they compare."""
+    if not TOPK_GROUP or not x.is_cuda or k * TOPK_GROUP >= x.shape[-1]:
         return x.topk(k, dim=-1)
+    return top_k_by_groups(x, k, TOPK_GROUP)
+
+
+def top_k_by_groups(x: torch.Tensor, k: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k from the k groups of g entries with the highest maxima (see TOPK_GROUP), both steps ranked."""
+    f, v = x.shape
     groups = -(-v // g)
-    padded = torch.nn.functional.pad(x, (0, groups * g - v), value=float("-inf"))
-    values, idx = padded.view(f, groups, g).topk(k, dim=-1)  # (F, G, k)
-    idx = idx + torch.arange(groups, device=x.device)[:, None] * g
-    top, at = values.reshape(f, -1).topk(k, dim=-1)
-    return top, idx.reshape(f, -1).gather(1, at).clamp(max=v - 1)  # a padding slot only if a row has < k above -inf
+    blocks = torch.nn.functional.pad(x, (0, groups * g - v), value=float("-inf")).view(f, groups, g)
+    chosen = stable_order(-blocks.amax(-1))[:, :k]  # (F, k): every value above the k-th best is in these groups
+    cand = blocks.gather(1, chosen[..., None].expand(f, k, g)).reshape(f, k * g)
+    best = stable_order(-cand)[:, :k]
+    idx = (chosen[..., None] * g + torch.arange(g, device=x.device)).reshape(f, k * g).gather(1, best)
+    return cand.gather(1, best), idx.clamp(max=v - 1)  # a padding slot only if a row has < k above -inf
 
 
 _CHAINS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
