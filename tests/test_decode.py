@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import eaglewire.decode as decode
+import eaglewire.tree as tree_mod
 from eaglewire.acceptance import SamplingParams, logits_to_probs
 from eaglewire.compiled import CompileError
 from eaglewire.errors import UsageError
@@ -85,6 +86,26 @@ def test_one_replay_drafting_drafts_what_step_by_step_drafting_does(llama, seqs,
         assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, name
         assert keys <= {k[0] for k in one.drafter._static}  # a 9-token prompt's first extend: no fused graph
     assert 0 in accepted and max(accepted) == (shape.get("K") or shape["depth"])  # rejections and full rounds
+
+
+def test_a_tree_drafted_with_the_top_k_by_groups_drafts_what_atens_top_k_does(llama, seqs, drafts, monkeypatch):
+    """The draft's top-k by groups (tree.top_k_by_groups, CUDA's way), forced onto this CPU with groups of 16 of the
+    128-token vocabulary: the exact and the one-replay tree decoders accept, round for round, what they accept with
+    aten's top-k, greedy and sampled (fp32 logits do not tie, so the candidates are the same tokens)."""
+    hot = SamplingParams(temperature=0.8, top_p=0.9)
+    runs = {}
+    for way in ("aten", "groups"):
+        if way == "groups":
+            monkeypatch.setattr(tree_mod, "TOPK_GROUP_DEVICES", ("cpu",))
+            monkeypatch.setattr(tree_mod, "TOPK_GROUP", 16)  # 8 groups, 3 chosen
+        for static in (False, True):
+            dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=static, **TREE)
+            runs[way, static] = [(r.tokens, r.accepted_per_step) for r in
+                                 [dec.generate(p, 24) for p in prompts(seqs)[:4]] +
+                                 [dec.generate(prompts(seqs)[0], 24, hot, seed=3)]]
+    for static in (False, True):
+        assert runs["groups", static] == runs["aten", static], static
+    assert sum(sum(acc) for _, acc in runs["groups", True]) > 10  # the trees' candidates were accepted
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.5), SamplingParams(temperature=1.0, top_k=8,

@@ -275,8 +275,10 @@ def test_top_k_by_groups_equals_aten(vocab, k, g):
 
 
 def test_top_k_takes_groups_on_cuda_only(monkeypatch):
-    """On a CPU top_k is aten's (one cheap pass there; the rankings cost ~30x more eager); the groups are for CUDA."""
+    """On a CPU top_k is aten's (one cheap pass there); the groups are for CUDA (tree.TOPK_GROUP_DEVICES)."""
     called = []
     monkeypatch.setattr(tree_mod, "top_k_by_groups", lambda *a: called.append(a) or None)
     x = torch.randn(2, 5000)
     assert torch.equal(tree_mod.top_k(x, 4)[1], x.topk(4, dim=-1).indices) and not called
+    monkeypatch.setattr(tree_mod, "TOPK_GROUP_DEVICES", ("cuda", "cpu"))
+    assert tree_mod.top_k(x, 4) is None and called == [(x, 4, tree_mod.TOPK_GROUP)]

@@ -54,8 +54,10 @@ RANK_SORT_MAX = 1024
 # which hold every value of the top k whatever the ties, each step ordered by ranking: a few kernels that a compiled
 # round fuses. aten's top-k (of whole rows, or of groups of 1,024 and then of those, as until the eighteenth run) is a
 # radix select and a bitonic sort of its result: two of each a level, 0.25 ms of a d6 k8 b63 round on an H200
-# (eighteenth-run profile). 0 = aten's top-k as is.
+# (eighteenth-run profile). 0 = aten's top-k as is. Only on TOPK_GROUP_DEVICES: on a CPU aten's top-k is one cheap
+# pass, and an eager ranking costs what it compares (~30x aten's top-k of 8 rows of 32,000).
 TOPK_GROUP = 64
+TOPK_GROUP_DEVICES = ("cuda",)
 
 
 def stable_order(x: torch.Tensor) -> torch.Tensor:
@@ -71,9 +73,8 @@ def stable_order(x: torch.Tensor) -> torch.Tensor:
 
 
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k, dim=-1) of (F, V) rows: the same values, best first (where values tie, the indices may differ).
-    By groups on CUDA only: on a CPU aten's top-k is one cheap pass, and rankings there cost what they compare."""
-    if not TOPK_GROUP or not x.is_cuda or k * TOPK_GROUP >= x.shape[-1]:
+    """x.topk(k, dim=-1) of (F, V) rows: the same values, best first (where values tie, the indices may differ)."""
+    if not TOPK_GROUP or x.device.type not in TOPK_GROUP_DEVICES or k * TOPK_GROUP >= x.shape[-1]:
         return x.topk(k, dim=-1)
     return top_k_by_groups(x, k, TOPK_GROUP)
 
