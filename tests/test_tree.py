@@ -231,6 +231,58 @@ def test_frontier_forwards_on_a_real_model_equal_decoding_each_path():
             cached = torch.cat([cached, nodes])
 
 
+def grow_by_ancestors(root_logits, root_hidden, depth, topk, to_target, forward):
+    """grow as it was until the eighteenth run: each level's block from frontier_attention over the whole tree,
+    each node's input hidden state looked up by its parent's index."""
+    tree, frontier = DraftTree.empty(), root_frontier()
+    node_hidden = root_hidden.new_zeros(tree_mod.grown_nodes(depth, topk), root_hidden.shape[-1])
+    cached = torch.zeros(0, dtype=torch.long)
+    logp = root_logits.float().log_softmax(-1)[None]
+    for level in range(depth):
+        top, idx = logp.topk(topk, dim=-1)
+        tree, frontier = expand(tree, frontier, to_target(idx), top, topk)
+        if level == depth - 1:
+            break
+        parents = tree.parents[frontier]
+        h_in = torch.where((parents < 0)[:, None], root_hidden, node_hidden[parents.clamp(min=0)])
+        block, rel = frontier_attention(tree, frontier, cached, 0, 0)
+        logits, h = forward(tree.tokens[frontier], h_in, block[0, 0], rel)
+        node_hidden[frontier] = h
+        cached = torch.cat([cached, frontier])
+        logp = logits.float().log_softmax(-1)
+    return tree
+
+
+@pytest.mark.parametrize("depth,topk", [(1, 3), (2, 4), (5, 3), (6, 8)])
+def test_grow_feeds_each_level_what_the_ancestor_rule_gives(depth, topk):
+    """tree.grow builds each frontier's block from the last one's rows and takes each node's input from its
+    parent's output: every forward gets the tokens, hidden states, block and depths that frontier_attention and
+    a lookup by parent give, and the grown tree is the same."""
+    g = torch.Generator().manual_seed(depth * 10 + topk)
+    vocab, hidden = 40, 6
+    emb, w = torch.randn(vocab + 100, hidden, generator=g), torch.randn(hidden, vocab, generator=g)
+
+    def recording(calls):
+        def forward(tokens, h_in, block, rel):  # logits that depend on all four, so a wrong one changes the tree
+            calls.append((tokens, h_in, block, rel))
+            seen = block.float().sum(1, keepdim=True)
+            h = torch.tanh(h_in + emb[tokens] + 0.1 * rel[:, None] + 0.05 * seen)
+            return h @ w, h
+        return forward
+
+    root_logits, root_hidden = torch.randn(vocab, generator=g), torch.randn(hidden, generator=g)
+    got, want = [], []
+    a = tree_mod.grow(root_logits, root_hidden, depth, topk, lambda i: i + 100, recording(got))
+    b = grow_by_ancestors(root_logits, root_hidden, depth, topk, lambda i: i + 100, recording(want))
+    assert len(got) == len(want) == depth - 1
+    for level, (x, y) in enumerate(zip(got, want)):
+        for name, u, v in zip(("tokens", "hidden", "block", "depth"), x, y):
+            assert u.shape == v.shape and torch.equal(u, v), (level, name)
+    for name in ("tokens", "parents", "depth", "scores"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.num_nodes == tree_mod.grown_nodes(depth, topk)
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 64, 392])
 def test_stable_order_by_ranking_equals_a_stable_sort(n):
     """The ranking order (a round's sorts on the GPU, tree.stable_order) is aten's stable sort: ties to the lower

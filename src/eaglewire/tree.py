@@ -203,25 +203,28 @@ def grow(root_logits: torch.Tensor, root_hidden: torch.Tensor, depth: int, topk:
     root_logits (Vd,) and root_hidden (H,): the draft's output at the root. to_target maps draft
     ids to target ids. forward(tokens (F,), hidden (F, H), block (F, C+F) bool, depth (F,)) runs
     the draft on a frontier and returns (logits (F, Vd), hidden (F, H)); block is what each row
-    sees of this round's rows (the C earlier frontiers' nodes in order, then its own), depth its
-    distance from the root. Static shapes throughout, no host sync: it can run inside a graph.
+    sees of this round's rows (the C earlier frontiers' nodes in order, then its own: frontier_attention's
+    rule), depth its distance from the root. Static shapes throughout, no host sync: it can run inside a graph.
+
+    Every frontier node is a child of the last frontier, so its row of the block is its parent's row and
+    its own column, and its input hidden state is its parent's output: nothing is looked up in the whole tree.
     """
     dev = root_logits.device
     tree, frontier = DraftTree.empty(dev), root_frontier(dev)
-    node_hidden = root_hidden.new_zeros(grown_nodes(depth, topk), root_hidden.shape[-1])
-    cached = torch.zeros(0, dtype=torch.long, device=dev)  # nodes the draft has run on, in order
+    parent_hidden = root_hidden[None]  # (F, H): the last forward's outputs, the root's before the first
+    block = torch.zeros(1, 0, dtype=torch.bool, device=dev)  # the root sees none of this round's rows
     logp = root_logits.float().log_softmax(-1)[None]  # (F, Vd), F = 1: the root
     for level in range(depth):
         top, idx = top_k(logp, topk)  # (F, k)
+        n0 = tree.num_nodes
         tree, frontier = expand(tree, frontier, to_target(idx), top, topk)
         if level == depth - 1:
             break
-        parents = tree.parents[frontier]
-        h_in = torch.where((parents < 0)[:, None], root_hidden, node_hidden[parents.clamp(min=0)])  # (F, H)
-        block, rel = frontier_attention(tree, frontier, cached, 0, 0, level + 1)
-        logits, h = forward(tree.tokens[frontier], h_in, block[0, 0], rel)
-        node_hidden[frontier] = h
-        cached = torch.cat([cached, frontier])
+        parent = (frontier - n0) // topk  # (F',): the row of the last frontier that each node grew from
+        f = frontier.shape[0]
+        block = torch.cat([block[parent], torch.eye(f, dtype=torch.bool, device=dev)], dim=1)
+        logits, parent_hidden = forward(tree.tokens[frontier], parent_hidden[parent], block,
+                                        torch.full((f,), level + 1, dtype=torch.long, device=dev))
         logp = logits.float().log_softmax(-1)
     return tree
 
