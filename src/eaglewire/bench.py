@@ -43,7 +43,7 @@ import torch
 from . import suites, targets
 from .acceptance import SamplingParams
 from .bench_report import floor_ms, format_table, machine_info, plot_acceptance, write_json
-from .decode import default_shape, default_shape_text
+from .decode import default_shape_text, fill_shape
 from .draft_runner import DraftRunner
 from .errors import EaglewireError, UsageError
 from .parallel import pick_device
@@ -92,10 +92,10 @@ class BenchConfig:
             bad("max_new_tokens", "must be >= 1")
         if self.mode not in ("chain", "tree"):
             bad("mode", "must be chain or tree")
-        defaults = default_shape(pick_device(self.device))
+        shape = fill_shape(pick_device(self.device), K=self.chain, depth=self.depth, topk=self.topk,
+                           budget=self.budget)
         for f, key in (("chain", "K"), ("depth", "depth"), ("topk", "topk"), ("budget", "budget")):
-            if getattr(self, f) is None:
-                object.__setattr__(self, f, defaults[key])  # frozen: resolved once, here
+            object.__setattr__(self, f, shape[key])  # frozen: resolved once, here
             if getattr(self, f) < 1:
                 bad(f, "must be >= 1")
         if self.dtype is not None and self.dtype not in DTYPES:

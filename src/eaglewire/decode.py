@@ -59,6 +59,12 @@ def default_shape(device: torch.device) -> dict[str, int]:
     return DEFAULT_SHAPES["cuda" if device.type == "cuda" else "cpu"]
 
 
+def fill_shape(device: torch.device, **given: int | None) -> dict[str, int]:
+    """The given shape fields (K, depth, topk, budget), each one None taken from DEFAULT_SHAPES for the device."""
+    defaults = default_shape(device)
+    return {k: defaults[k] if v is None else v for k, v in given.items()}
+
+
 def default_shape_text(key: str) -> str:
     """'7 on CUDA, 2 on a CPU' for K: a help text's default, from DEFAULT_SHAPES."""
     return f"{DEFAULT_SHAPES['cuda'][key]} on CUDA, {DEFAULT_SHAPES['cpu'][key]} on a CPU"
@@ -162,9 +168,8 @@ class SpecDecoder:
                  prepack: bool | None = None, fuse_projections: bool | None = None,
                  grouped_attention: bool | None = None, strict: bool = False):
         p = next(target.model.parameters())
-        defaults = default_shape(torch.device(device) if device is not None else p.device)
-        given = dict(K=K, depth=depth, topk=topk, budget=budget)
-        self.spec = SpecConfig(mode=mode, **{k: defaults[k] if v is None else v for k, v in given.items()})
+        self.spec = SpecConfig(mode=mode, **fill_shape(torch.device(device) if device is not None else p.device,
+                                                       K=K, depth=depth, topk=topk, budget=budget))
         self.target, self.draft = target, draft
         if device is not None or dtype is not None:
             target.model.to(device=device, dtype=dtype)

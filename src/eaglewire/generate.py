@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .decode import SpecConfig, SpecDecoder, default_shape, default_shape_text
+from .decode import SpecConfig, SpecDecoder, default_shape, default_shape_text, fill_shape
 from .errors import UsageError
 from .parallel import pick_device
 from .targets import eos_ids
@@ -88,8 +88,7 @@ def draft_shape(args, device: torch.device) -> dict:
     if not args.tree and tree_flags:
         raise UsageError(f"{', '.join(tree_flags)} shape a tree: add --tree (or drop them for a chain)")
     given = {k: getattr(args, k) for k in tree} if args.tree else {"K": args.chain}
-    defaults = default_shape(device)
-    return {"mode": "tree" if args.tree else "chain", **{k: defaults[k] if v is None else v for k, v in given.items()}}
+    return {"mode": "tree" if args.tree else "chain", **fill_shape(device, **given)}
 
 
 def cmd_generate(args) -> int:
