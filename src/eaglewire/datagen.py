@@ -148,12 +148,23 @@ def plan_batches(lengths: list[int], gen: GenConfig, static: bool) -> list[Batch
     return [Batch(ks, width, rows[width] if static else len(ks)) for ks, width in batches]
 
 
-@torch.no_grad()
 def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: GenConfig,
                      on_batch: Callable[[dict], None] | None = None, strip: bool = True) -> list[str]:
-    """Replies to tokenized prompts: length-sorted, left-padded batches through `model.generate`.
-    `on_batch` gets one record per batch (shape, steps, seconds): where a regeneration's time goes.
+    """Replies to tokenized prompts as text (`generate_ids`, decoded without the stop token).
     strip=False keeps the reply's leading space, for text that continues the prompt's."""
+    stops, out = set(stop_ids(target)), []
+    for new in generate_ids(target, prompts_ids, gen, on_batch):
+        text = target.tokenizer.decode(new[:-1] if new and new[-1] in stops else new, skip_special_tokens=True)
+        out.append(text.strip() if strip else text.rstrip())
+    return out
+
+
+@torch.no_grad()
+def generate_ids(target: targets.Target, prompts_ids: list[list[int]], gen: GenConfig,
+                 on_batch: Callable[[dict], None] | None = None) -> list[list[int]]:
+    """The new tokens for tokenized prompts, up to and including the first stop token: length-sorted,
+    left-padded batches through `model.generate` (or batchgen's slots on CUDA).
+    `on_batch` gets one record per batch (shape, steps, seconds): where a regeneration's time goes."""
     from torch._dynamo.utils import counters  # graphs compiled per batch: a first shape compiles (seconds)
     from transformers import GenerationConfig
 
@@ -174,7 +185,7 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
     choose = (lambda logits: logits.argmax(-1)) if sampling.greedy else \
         (lambda logits: torch.multinomial(logits_to_probs(logits, sampling), 1).squeeze(1))
     engine = None  # slots: one batch shape's generator (its KV cache and graph) at a time
-    replies: list[str] = [""] * len(prompts_ids)
+    replies: list[list[int]] = [[] for _ in prompts_ids]
     for batch in plan_batches([len(p) for p in prompts_ids], gen, static):
         t0, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
         rows = batch.prompts + batch.prompts[:1] * (batch.rows - len(batch.prompts))
@@ -196,9 +207,8 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=cfg)
         for r, k in enumerate(batch.prompts):
             new = out[r, batch.width:].tolist()
-            cut = next((i for i, t in enumerate(new) if t in stops), len(new))
-            text = tok.decode(new[:cut], skip_special_tokens=True)
-            replies[k] = text.strip() if strip else text.rstrip()
+            cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
+            replies[k] = new[:cut]
         if on_batch is not None:
             on_batch({"width": batch.width, "rows": batch.rows, "prompts": len(batch.prompts),
                       "steps": out.shape[1] - batch.width, "seconds": round(time.perf_counter() - t0, 3),
