@@ -12,6 +12,8 @@ the draft module is built only when it can be.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import torch
 from .. import checkpoint, interop, targets
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import EaglewireError, TapError, UsageError
-from ..interop.common import PROVENANCE_KEY, DraftDir, Reading, build_draft, read_dir
+from ..interop.common import IDS_KEY, PROVENANCE_KEY, DraftDir, Reading, build_draft, read_dir
 from ..taps import TapContract
 
 # Which engine reads a format (for --engine defaults).
@@ -85,9 +87,9 @@ class Subject:
         return FORMAT_ENGINE.get(self.kind)
 
 
-def load_target(spec) -> TargetFacts:
-    """--target: a spec string (loaded on the CPU) or an already loaded targets.Target."""
-    t = spec if isinstance(spec, targets.Target) else targets.load_target(spec, device="cpu")
+def load_target(spec, device: str | None = None) -> TargetFacts:
+    """--target: a spec string (loaded on `device`, default cuda if available) or an already loaded targets.Target."""
+    t = spec if isinstance(spec, targets.Target) else targets.load_target(spec, device=device)
     fp = dict(t.fingerprint)
     fp.setdefault("architecture", type(t.model).__name__)
     return TargetFacts(fingerprint=fp, loaded=t, spec=t.spec)
@@ -167,14 +169,51 @@ def _exported(p: Path, dd: DraftDir, block: dict, target: TargetFacts | None) ->
 def _foreign(p: Path, dd: DraftDir, source: str | None, target: TargetFacts | None,
              engine_version: str | None) -> Subject:
     info = interop.TargetInfo(fingerprint=target.fingerprint, embedding=target.embedding()) if target else None
+    ids_error = None
     try:
-        draft, meta = interop.load_any(p, source=source, target=info, engine_version=engine_version)
+        reading, _ = interop.read_foreign(dd, source, info, engine_version)
     except EaglewireError as e:
-        return Subject(path=p, dd=dd, kind=source or "unknown", contract=None, recorded=False,
-                       contract_from="unknown (the directory could not be read as any format)", config=None,
-                       load_error=str(e))
-    where = f"ids {meta.ids} at {meta.ids_where}" if meta.ids is not None else "no ids: the source's default taps"
-    return Subject(path=p, dd=dd, kind=meta.source, contract=meta.contract, recorded=False,
-                   contract_from=f"inferred from the {meta.source} convention '{meta.convention}' ({where})",
-                   config=meta.config, recorded_target=dict(meta.target or {}), draft=draft,
-                   notes=list(meta.notes))
+        # Ids its source's convention cannot read (taps it cannot reach) leave the rest readable: the draft is
+        # still examined and measured, and the tap checks say what is wrong with the ids.
+        bare = _without_ids(dd)
+        try:
+            reading, _ = interop.read_foreign(bare, source, info, engine_version) if bare else (None, None)
+        except EaglewireError:
+            reading = None
+        if reading is None:
+            return Subject(path=p, dd=dd, kind=source or "unknown", contract=None, recorded=False,
+                           contract_from="unknown (the directory could not be read as any format)", config=None,
+                           load_error=str(e))
+        ids_error = str(e)
+    if ids_error:
+        contract, where = None, "unknown: its layer ids do not read as taps (DRAFT_UNREADABLE says why)"
+    elif reading.ids is not None:
+        contract, where = reading.contract, (f"inferred from the {reading.source} convention '{reading.convention}' "
+                                             f"(ids {reading.ids} at {reading.ids_where})")
+    else:
+        contract, where = reading.contract, (f"unknown: no layer ids in config.json (the {reading.source} default "
+                                             f"taps {list(reading.contract.taps)} assumed)")
+    c = reading.config
+    s = Subject(path=p, dd=dd, kind=reading.source, contract=contract, recorded=False, contract_from=where, config=c,
+                recorded_target={"hidden_size": c.target_hidden_size, "vocab_size": c.vocab_size},
+                notes=[n for n in reading.notes if not (ids_error and IDS_KEY in n)], load_error=ids_error)
+    try:
+        s.draft = build_draft(reading, embedding=info.embedding if info else None)
+    except EaglewireError as e:
+        if target is not None and target.hidden_size not in (None, c.target_hidden_size):  # TARGET_MISMATCH says it
+            s.notes.append(f"the draft is not built on this target: it reads hidden states {c.target_hidden_size} "
+                           f"wide, the target's are {target.hidden_size}")
+        else:
+            s.load_error = "; ".join(x for x in (ids_error, str(e)) if x)
+    return s
+
+
+def _without_ids(dd: DraftDir) -> DraftDir | None:
+    """The directory as read with its layer ids removed (None: it has none)."""
+    cfg = json.loads(json.dumps(dd.config))
+    nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    if IDS_KEY not in cfg and IDS_KEY not in nested:
+        return None
+    cfg.pop(IDS_KEY, None)
+    nested.pop(IDS_KEY, None)
+    return dataclasses.replace(dd, config=cfg)

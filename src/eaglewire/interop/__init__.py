@@ -194,8 +194,11 @@ def _choose(dd: DraftDir, sources: list[str], why: str, t: TargetInfo, engine_ve
     return readings[0]
 
 
-def _reading(path, source: str | None, target: TargetInfo | None, engine_version: str | None) -> tuple[Reading, dict]:
-    dd = read_dir(path)
+def read_foreign(path, source: str | None, target: TargetInfo | None, engine_version: str | None
+                 ) -> tuple[Reading, dict]:
+    """How a draft directory (a path or a DraftDir) reads, without building the draft: (the Reading, the
+    target fingerprint it is for)."""
+    dd = path if isinstance(path, DraftDir) else read_dir(path)
     t = _target_for(dd, target)
     block = dd.config.get(PROVENANCE_KEY) if isinstance(dd.config.get(PROVENANCE_KEY), dict) else None
     if source is None:
@@ -228,7 +231,7 @@ def load_any(path, source: str | None = None, target: TargetInfo | str | None = 
         return model, ImportMeta(path=p, source="native", convention="canonical", contract=meta.contract,
                                  target=meta.target, config=meta.config)
     t = load_target_info(target) if isinstance(target, str) else target
-    reading, fingerprint = _reading(p, source, t, engine_version)
+    reading, fingerprint = read_foreign(p, source, t, engine_version)
     fingerprint = {**_partial_fingerprint(reading), **(fingerprint or {})}
     model = build_draft(reading, embedding=t.embedding if t is not None else None)
     return model, ImportMeta(path=p, source=reading.source, convention=reading.convention, contract=reading.contract,
@@ -332,5 +335,5 @@ def import_draft(src, out, *, source: str | None = None, target: str | TargetInf
 
 
 __all__ = ["FORMATS", "EXPORT_FORMATS", "ENGINES", "EngineView", "FlagView", "ImportMeta", "TargetInfo",
-           "ExportResult", "detect", "export_draft", "import_draft", "load_any", "read_engine_view",
+           "ExportResult", "detect", "export_draft", "import_draft", "load_any", "read_engine_view", "read_foreign",
            "load_target_info", "CONVENTIONS"]
