@@ -93,12 +93,14 @@ def records(model, draft, taps=TAPS) -> tuple[dict, dict]:
     """(metrics, tap_stats) as the trainer would record them, measured on other sequences than the probe's."""
     from eaglewire.doctor import probe as P
 
+    from eaglewire.doctor import probe_inputs
+
     t = as_target(model)
-    seqs = P.probe_sequences(t, 8, seed=123)
-    states = [P.capture_states(model, ids) for ids, _ in seqs]
-    r = P.measure(draft, locate(model).lm_head, seqs, states, P.Wiring(tuple(taps), "trained"), 3)
+    seqs = probe_inputs.sequences(t, 8, seed=123).seqs
+    states = [probe_inputs.capture_states(model, ids) for ids, _ in seqs]
+    r, _ = P.measure(draft, seqs, states, P.Wiring(tuple(taps), "trained"), 3)
     stats = tap_stats(torch.cat([torch.cat([st[k] for k in taps], -1) for st in states]), len(taps))
-    return {"heldout": r}, stats
+    return {"heldout": {"acc": [r["acc1"]]}}, stats
 
 
 def save_probe_checkpoint(path, model=None, taps=TAPS) -> Path:

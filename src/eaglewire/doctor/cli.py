@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 
 from .. import interop
 from ..errors import EaglewireError, UsageError
 from . import engine_args as eargs
 from . import probe as probe_mod
+from . import probe_inputs as probe_data
 from . import static
 from .findings import CODES, SEVERITIES, Finding, finding
 from .subject import TargetFacts, load_subject, load_target
@@ -65,18 +67,22 @@ def _infer_engine(text: str, fallback: str | None) -> str:
 
 def diagnose(draft, *, target=None, engine: str | None = None, engine_version: str | None = None,
              engine_args: str | None = None, source: str | None = None, probe: int = 0, prompts=None,
-             probe_steps: int = 3, records: str | None = None) -> Report:
+             suite: str | None = None, probe_steps: int = 7, probe_tokens: int = 128, records: str | None = None,
+             device: str | None = None, progress: bool = False) -> Report:
     """Every static check, then (probe > 0, needs target) the measurement. target: a spec or a Target."""
     if engine is not None and engine not in ENGINES:
         raise UsageError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
     if probe and target is None:
         raise UsageError("--probe runs the target: pass --target")
-    if probe < 0 or probe_steps < 1:
-        raise UsageError("--probe and --probe-steps must be positive")
+    if probe < 0 or probe_steps < 1 or probe_tokens < 2:
+        raise UsageError("--probe and --probe-steps must be positive, --probe-tokens at least 2")
+    if prompts and suite:
+        raise UsageError("--prompts and --suite: pass one (--prompts measures a file's written replies, --suite "
+                         "the target's own continuations of a suite's prompts)")
     if isinstance(target, TargetFacts):  # a fingerprint only (API): no weights to compare or run
         tf, facts_given = None, target
     else:
-        tf, facts_given = (load_target(target) if target is not None else None), None
+        tf, facts_given = (load_target(target, device) if target is not None else None), None
     if probe and tf is None:
         raise UsageError("--probe runs the target: pass --target (a model, not a fingerprint)")
     s = load_subject(draft, source=source, target=tf or facts_given, engine_version=engine_version, records=records)
@@ -108,11 +114,34 @@ def diagnose(draft, *, target=None, engine: str | None = None, engine_version: s
     context = _context(ctx, tf)
     record = None
     if probe:
-        record = _probe(ctx, tf, s, probe, prompts, probe_steps, findings)
+        record = _probe(ctx, tf, s, probe, prompts, suite, probe_steps, probe_tokens, findings, progress)
     return Report(findings=findings, probe=record, context=context)
 
 
-def _probe(ctx, tf, s, n, prompts, steps, findings) -> dict:
+def probe_inputs(target, n: int, prompts: str | None, suite: str | None, new_tokens: int) -> probe_data.Sequences:
+    """The probe's sequences: --prompts FILE (written replies as they are), --suite NAME|FILE, or the built-in
+    prompts; the target continues every bare prompt itself."""
+    if prompts:
+        from ..prompts import load_conversations
+
+        ps = load_conversations(prompts, need_assistant=False)
+        return probe_data.sequences(target, n, ps.conversations, f"--prompts {prompts}", new_tokens)
+    if suite:
+        from ..suites import load_suite
+
+        sp = load_suite(suite)
+        convs = probe_data.distinct(sp.conversations)
+        if n < len(convs):  # evenly spaced, as bench picks them: a suite lists its prompts by category
+            convs = [convs[(2 * i + 1) * len(convs) // (2 * n)] for i in range(n)]
+        return probe_data.sequences(target, n, convs, f"--suite {sp.name}", new_tokens)
+    return probe_data.sequences(target, n, None, "the built-in prompts", new_tokens)
+
+
+# Static findings about the taps that only a measurement can settle: the probe's verdict replaces them.
+SETTLED_BY_PROBE = ("TAPS_UNVERIFIED", "TAPS_MISSING", "TAPS_WRONG_PLACE")
+
+
+def _probe(ctx, tf, s, n, prompts, suite, steps, new_tokens, findings, progress) -> dict:
     if s.draft is None:
         findings.append(finding("DRAFT_UNREADABLE", "error", "the probe needs the draft's weights, which could not "
                                 f"be loaded: {s.load_error}", "fix the findings above first"))
@@ -120,20 +149,41 @@ def _probe(ctx, tf, s, n, prompts, steps, findings) -> dict:
     v = ctx.view
     engine_taps = tuple(v.captured_taps) if v is not None and v.captured_taps else None
     who = static.engine_name(ctx) if engine_taps else "eaglewire (the recorded taps)"
-    prompt_list = None
-    if prompts:
-        from ..prompts import load_conversations
-
-        prompt_list = load_conversations(prompts, need_assistant=False, limit=n).conversations
+    if engine_taps is None and s.contract is None:
+        return {"skipped": "neither the taps the engine will capture nor the taps the draft was trained on are "
+                           "known: fix the ids first (see the findings above)"}
+    t0 = time.perf_counter()
+    inputs = probe_inputs(tf.loaded, n, prompts, suite, new_tokens)
+    if progress:
+        print(f"eaglewire doctor: probe: {len(inputs.seqs)} sequence(s) from {inputs.source} in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     new, record = probe_mod.run(tf.loaded, s.draft, engine_taps=engine_taps,
-                                trained=s.contract.taps if s.contract else None, n=n, prompts=prompt_list,
-                                steps=steps, recorded_metrics=s.metrics, recorded_stats=s.tap_stats,
-                                change_for=lambda taps: static.contract_ids_remedy(ctx, taps), who=who)
-    if not s.recorded and any(f.code == "PROBE_OK" for f in new):  # measured: the inferred taps are right
-        findings[:] = [f if f.code != "TAPS_UNVERIFIED" else finding(
-            "TAPS_UNVERIFIED", "info", f.message + "; the probe confirms them", "") for f in findings]
+                                trained=s.contract.taps if s.contract else None, recorded=s.recorded,
+                                inputs=inputs, steps=steps,
+                                recorded_metrics=s.metrics, recorded_stats=s.tap_stats,
+                                change_for=lambda taps: static.contract_ids_remedy(ctx, taps), who=who,
+                                pin_ids=not s.recorded and v is not None and v.ids is None,
+                                stated=_stated(ctx, s), progress=progress)
+    verdict = next((f for f in new if f.code in ("PROBE_OK", "PROBE_WIRING")), None)
+    if not s.recorded and verdict is not None:  # no record: the measurement, not an assumption, decides
+        findings[:] = [f if f.code not in SETTLED_BY_PROBE else finding(
+            f.code, "info", f"{f.message}; measured: see {verdict.code}", "") for f in findings]
     findings += new
     return record
+
+
+def _stated(ctx, s) -> tuple:
+    """Without a record, the taps the files state other than by what the engine reads, as probe candidates:
+    the source convention's reading and ids under keys the engine ignores."""
+    if s.recorded:
+        return ()
+    out = []
+    if s.contract is not None and s.contract_from.startswith("inferred"):
+        out.append((f"as its {s.kind} convention reads its ids", s.contract.taps))
+    v = ctx.view
+    for where, ids in (v.ids_ignored.items() if v is not None else ()):
+        out += [(f"as {who} reads the ids under {where}", taps) for who, taps in static.stated_taps(ctx, where, ids)]
+    return tuple(out)
 
 
 def _context(ctx, tf) -> dict:
@@ -186,13 +236,22 @@ def render(report: Report) -> str:
 
 def _probe_table(p: dict) -> str:
     k = p["steps"]
-    head = f"probe: {p['prompts']} prompt(s), {p.get('positions', 0)} positions, step-1..{k} accuracy"
-    rows = [head, f"  {'wiring':<26}{''.join(f'acc@{i + 1:<4}' for i in range(k))}accept-len  what"]
+    head = (f"probe: {p['prompts']} prompt(s) ({p.get('prompt_source', '?')}), {p.get('positions', 0)} positions, "
+            f"{p.get('rounds', 0)} decoder rounds of a greedy chain of {k}; intervals: {100 * p['level']:.0f}% "
+            "for all wirings together, paired by prompt")
+    rows = [head, f"  {'wiring':<22}{'acc@1':<8}{'accept-len':<12}{'vs the engine':<26}what"]
     for w in p["wirings"]:
-        accs = "".join(f"{(a or 0):<8.3f}" for a in w["acc"])
-        rows.append(f"  {str(w['taps']):<26}{accs}{w['acceptance_length']:<12.2f}{w['label']}")
+        d = w.get("vs_engine")
+        vs = "" if d is None else (f"{d['acceptance_length']:+.2f} [{d['acceptance_length_ci'][0]:+.2f}, "
+                                   f"{d['acceptance_length_ci'][1]:+.2f}]")
+        rows.append(f"  {str(w['taps']):<22}{(w['acc1'] or 0):<8.3f}{w['acceptance_length']:<12.2f}{vs:<26}"
+                    f"{w['label']}")
+    first = p["wirings"][0]
+    rows.append(f"  accepted at draft position 1..{k} with {first['taps']}: "
+                + " ".join("-" if a is None else f"{a:.2f}" for a in first["accepted_per_pos"]))
     if p.get("recorded_acc"):
         rows.append(f"  recorded at training: step-1 accuracy {p['recorded_acc'][0]:.3f}")
+    rows += [f"  note: {n}" for n in p.get("notes", [])]
     return "\n".join(rows)
 
 
@@ -201,7 +260,8 @@ def _probe_table(p: dict) -> str:
 def cmd_doctor(args) -> int:
     kw = dict(target=args.target, engine=args.engine, engine_version=args.engine_version,
               engine_args=args.engine_args, source=args.source, probe=args.probe or 0, prompts=args.prompts,
-              probe_steps=args.probe_steps, records=args.records)
+              suite=args.suite, probe_steps=args.probe_steps, probe_tokens=args.probe_tokens, records=args.records,
+              device=args.device, progress=True)
     report = diagnose(args.draft, **kw)
     if args.apply:
         applied = [f for f in report.findings if f.remedy is not None and f.remedy.edits_files]
@@ -230,9 +290,17 @@ def register(sub) -> None:
     p.add_argument("--engine-args", default=None, metavar="ARGS",
                    help="the serve command's arguments as one quoted string; write --engine-args=\"--flag ...\" "
                         "when it is a single flag")
-    p.add_argument("--probe", type=int, default=0, metavar="N", help="measure on N prompts (needs --target)")
-    p.add_argument("--prompts", default=None, metavar="FILE", help="prompt file for the probe (default: built-in)")
-    p.add_argument("--probe-steps", type=int, default=3, metavar="K", help="draft steps measured (default 3)")
+    p.add_argument("--probe", type=int, default=0, metavar="N",
+                   help="measure on N distinct prompts (needs --target; 32 take a few minutes on a 2-core CPU)")
+    p.add_argument("--suite", default=None, metavar="NAME|FILE", help="the probe's prompts: a bench suite "
+                   "(mt-bench, humaneval, gsm8k) or a prompt file, continued by the target (default: 76 built-in)")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="the probe's conversations with their written replies, measured as they are")
+    p.add_argument("--probe-steps", type=int, default=7, metavar="K",
+                   help="the greedy chain the acceptance length is for (default 7)")
+    p.add_argument("--probe-tokens", type=int, default=128, metavar="T",
+                   help="new tokens the target writes for each prompt (default 128)")
+    p.add_argument("--device", default=None, help="where the probe runs the target (default: cuda if available)")
     p.add_argument("--records", default=None, metavar="CKPT",
                    help="native checkpoint whose training metrics and tap statistics the probe compares against "
                         "(default: the draft itself when native)")

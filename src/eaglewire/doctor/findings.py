@@ -26,7 +26,8 @@ CODES: dict[str, str] = {
     "TAPS_SHIFTED": "the engine will capture other taps than the draft was trained on",
     "TAPS_UNSUPPORTED": "taps (or a tap count) the engine cannot capture at that version",
     "TAPS_OUT_OF_RANGE": "layer ids beyond the target's layers",
-    "TAPS_UNVERIFIED": "no recorded tap contract: the draft's taps are assumed from its source convention",
+    "TAPS_UNVERIFIED": "no recorded tap contract: the draft's taps are inferred from its ids, or unknown (the "
+                       "probe decides)",
     "FC_SHAPE": "fc input width is not len(taps) x target hidden size (or not what the engine builds)",
     "FC_BYPASS": "engine settings that skip the fc fusion of an EAGLE-3 draft",
     "WEIGHTS_DROPPED": "weights the engine silently drops, or required weights missing",
@@ -39,12 +40,15 @@ CODES: dict[str, str] = {
     "ENGINE_ARGS_OVERRIDE": "engine arguments the engine silently rewrites, with what the run will really use",
     "ENGINE_ARGS_REFUSED": "engine arguments the engine refuses at start-up",
     "NOT_ENGINE_FORMAT": "the directory is not in a format the engine loads as an EAGLE-3 draft",
-    "TARGET_MISMATCH": "hidden size, vocabulary, layers, tokenizer or weights differ from the draft's target",
+    "TARGET_MISMATCH": "hidden size (the width of the taps fc reads), vocabulary, layers, tokenizer or weights "
+                       "differ from the draft's target",
     "DRAFT_UNREADABLE": "the draft directory cannot be read",
-    "PROBE_WIRING": "measured: another wiring of the target's hidden states is clearly better",
+    "PROBE_WIRING": "measured: another wiring reads significantly better, paired on the same prompts (an error "
+                    "when the engine's wiring costs >= 3% of acceptance length, else a warning)",
     "PROBE_LOW_ACCEPTANCE": "measured: accuracy far below the accuracy recorded at training time",
     "PROBE_TAP_STATS": "measured: the live taps' activation statistics do not match those recorded at training",
-    "PROBE_OK": "measured: the wiring the engine will use is the best one tried",
+    "PROBE_OK": "measured: the wiring the engine will use reads best of those tried, or tied with the best "
+                "within noise (the message says which)",
 }
 
 

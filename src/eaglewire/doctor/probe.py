@@ -1,42 +1,27 @@
-"""The probe: run prompts through the target, capture EVERY tap at once, and measure the draft's
-step-1..K accuracy under the wiring the engine will really use and under the plausible mistakes
-(each tap shifted by +-1, all shifted, the embedding in or out, other fc orders, the post-norm final
-state instead of tap N). Also compares the per-tap activation statistics recorded at training time
+"""The probe: run distinct prompts through the target, capture every tap at once, and replay the
+decoder's greedy chain of K draft tokens (chain.py) at every position under the wiring the engine will
+really use and under the plausible mistakes (each tap shifted by +-1, all shifted, the embedding in or
+out, other fc orders, the post-norm final state instead of tap N). Wirings are compared on the same
+prompts and positions (paired.py), and the verdict is in acceptance length, the figure `bench` and the
+engines report. Also compares the per-tap activation statistics recorded at training time
 (checkpoint.tap_stats) with the live target's, which catches wrong taps without running the draft.
-
-Accuracy is the trainer's own measure (ttt.TTTModel + metrics.summarize): at position t, step k
-reads x_{t+1+k} and its own previous hidden state and must reproduce the target's argmax at t+1+k.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
 
-from .. import metrics
-from ..capture import capture, locate
+from ..capture import locate
 from ..checkpoint import tap_stats
-from ..taps import TapContract
-from ..ttt import TTTModel, TTTSpec, target_side
+from . import chain, paired
 from .findings import Remedy, finding
-
-FINAL = "post-norm"  # the final norm's output (HF hidden_states[N]) in place of tap N
-
-# A few short, varied prompts: the probe needs the target's own continuations, not a benchmark.
-BUILTIN_PROMPTS = [
-    "What is the capital of France? Answer in one sentence.",
-    "Write a Python function that reverses a string.",
-    "Explain why the sky is blue to a ten-year-old.",
-    "List three uses of a paperclip.",
-    "Translate 'good morning, how are you?' into Spanish.",
-    "What is 17 times 23? Show your working.",
-    "Give me a haiku about autumn leaves.",
-    "Summarise the plot of Romeo and Juliet in two sentences.",
-]
-
+from .probe_inputs import FINAL, Sequences, capture_states
 
 @dataclass(frozen=True)
 class Wiring:
@@ -55,12 +40,14 @@ class Wiring:
 
 
 def candidates(engine: tuple[int, ...], trained: tuple[int, ...] | None, num_layers: int,
-               first: str = "what the engine captures") -> list[Wiring]:
-    """The engine's wiring first, then the trained one and every plausible mistake around the engine's."""
+               first: str = "what the engine captures", stated: tuple = ()) -> list[Wiring]:
+    """The engine's wiring first, then the trained one, taps stated elsewhere ((label, taps) pairs: ids under
+    a key the engine ignores) and every plausible mistake around the engine's."""
     N, n = num_layers, len(engine)
     out = [Wiring(tuple(engine), first)]
     if trained is not None and len(trained) == n:
         out.append(Wiring(tuple(trained), "the draft's recorded taps"))
+    out += [Wiring(tuple(taps), label) for label, taps in stated if len(taps) == n]
     for d in (-1, 1):
         out.append(Wiring(tuple(t + d for t in engine), f"every tap {d:+d}"))
         for i in range(n):
@@ -90,99 +77,17 @@ def candidates(engine: tuple[int, ...], trained: tuple[int, ...] | None, num_lay
     return keep
 
 
-# --- probe inputs ---------------------------------------------------------------------------------
-
-def probe_sequences(target, n: int, prompts=None, new_tokens: int = 32, seed: int = 0, max_len: int = 512
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """n sequences (input_ids LongTensor[T], mask BoolTensor[T]) to measure on.
-
-    A conversation with assistant replies (from --prompts) is used as written, masked on the replies:
-    the training distribution. A bare prompt gets the target's own greedy continuation, masked on it.
-    A target without a tokenizer (a test model) gets seeded random token sequences, masked everywhere.
-    """
-    tok = target.tokenizer
-    if tok is None:
-        g = torch.Generator().manual_seed(seed)
-        V = target.config.vocab_size
-        return [(torch.randint(0, V, (48,), generator=g), torch.ones(48, dtype=torch.bool)) for _ in range(n)]
-    texts = list(prompts) if prompts else BUILTIN_PROMPTS
-    seqs = []
-    for i in range(n):
-        prompt = texts[i % len(texts)]
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if any(m["role"] == "assistant" for m in messages) and getattr(tok, "chat_template", None):
-            from ..chat import encode_conversation
-
-            ids, mask = encode_conversation(tok, messages, max_len)
-            if mask.any():
-                seqs.append((ids, mask))
-                continue
-        ids = _encode_prompt(tok, messages)[-max_len:]
-        with torch.no_grad():
-            out = target.model.generate(ids[None].to(target.device), max_new_tokens=new_tokens, do_sample=False,
-                                        pad_token_id=tok.pad_token_id or tok.eos_token_id)
-        full = out[0].cpu()
-        mask = torch.zeros(full.numel(), dtype=torch.bool)
-        mask[ids.numel():] = True
-        seqs.append((full, mask))
-    return seqs
-
-
-def _encode_prompt(tok, messages: list[dict]) -> torch.Tensor:
-    from ..chat import render
-
-    messages = [m for m in messages if m["role"] != "assistant"] or messages
-    if getattr(tok, "chat_template", None):
-        text = render(tok, messages, add_generation_prompt=True)
-        return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    return torch.tensor(tok(messages[-1]["content"])["input_ids"], dtype=torch.long)
-
-
-@torch.no_grad()
-def capture_states(model, input_ids: torch.Tensor) -> dict:
-    """Every tap 0..N and the post-norm final state of one sequence: {k: (T, H), FINAL: (T, H)}."""
-    stack = locate(model)
-    N = stack.num_layers
-    dev = next(model.parameters()).device
-    got = capture(model, input_ids[None].to(dev), TapContract(N, tuple(range(N + 1))), final_norm=True, stack=stack)
-    H = got.taps.shape[-1] // (N + 1)
-    states = {k: got.taps[0, :, k * H:(k + 1) * H].float().cpu() for k in range(N + 1)}
-    states[FINAL] = got.final_hidden[0].float().cpu()
-    return states
-
-
 # --- measurement ----------------------------------------------------------------------------------
 
 @torch.no_grad()
-def measure(draft, head, seqs: list, states: list[dict], wiring: Wiring, steps: int) -> dict:
-    """Step-1..K accuracy of `draft` fed `wiring`, summed over the sequences (metrics.summarize)."""
-    model = TTTModel(draft, TTTSpec(steps=steps)).eval()
-    p0 = next(draft.parameters())
-    draft_ids = (torch.arange(draft.d2t.numel(), device=draft.d2t.device) + draft.d2t)
-    counts = metrics.zeros(steps, "cpu")
+def measure(draft, seqs: list, states: list[dict], wiring: Wiring, steps: int) -> tuple[dict, paired.PerPrompt]:
+    """The decoder's chain of `steps` replayed with `draft` fed `wiring`: (chain.summarize's figures, the
+    per-prompt tallies the paired comparison needs)."""
+    tallies = []
     for (ids, mask), st in zip(seqs, states):
-        taps = torch.cat([st[s] for s in wiring.sources], dim=-1)[None].to(p0.device, p0.dtype)  # (1, T, n*H)
-        hp = next(head.parameters())
-        final = st[FINAL][None].to(hp.device, hp.dtype)
-        p, top, in_vocab = target_side(head, final, draft.t2d, draft_ids.to(hp.device), extra=steps + 1)
-        dev = p0.device
-        _, c = model(ids[None].to(dev), mask[None].to(dev), taps, p.to(dev), top.to(dev), in_vocab.to(dev),
-                     denom=1.0)
-        counts += c.cpu()
-    return metrics.summarize(counts)
-
-
-def _se(p: float | None, n: int) -> float:
-    if p is None or n <= 0:
-        return 1.0
-    return math.sqrt(max(p * (1 - p), 1.0 / n) / n)
-
-
-def clearly_better(best: dict, base: dict) -> bool:
-    """best's step-1 accuracy beats base's by more than noise (3 standard errors) and by 5 points."""
-    a, b = best["acc"][0] or 0.0, base["acc"][0] or 0.0
-    margin = max(0.05, 3 * math.hypot(_se(a, best["positions"]), _se(b, base["positions"])))
-    return a - b > margin
+        taps = torch.cat([st[s] for s in wiring.sources], dim=-1)  # (T, n*H)
+        tallies.append(chain.tally(draft, taps, ids, mask, st["top"], steps))
+    return chain.summarize(tallies, steps), paired.PerPrompt.of(tallies)
 
 
 def recorded_accuracy(meta_metrics: dict | None) -> list[float] | None:
@@ -193,6 +98,12 @@ def recorded_accuracy(meta_metrics: dict | None) -> list[float] | None:
         if isinstance(cand, dict) and isinstance(cand.get("acc"), list) and cand["acc"] and cand["acc"][0] is not None:
             return [float(a) if a is not None else 0.0 for a in cand["acc"]]
     return None
+
+
+def _se(p: float | None, n: int) -> float:
+    if p is None or n <= 0:
+        return 1.0
+    return math.sqrt(max(p * (1 - p), 1.0 / n) / n)
 
 
 # --- activation statistics ------------------------------------------------------------------------
@@ -212,7 +123,7 @@ def _stat_distance(a: dict, b: dict) -> float:
 def live_tap_stats(states: list[dict], num_layers: int) -> dict:
     """checkpoint.tap_stats of each single tap 0..N (and FINAL) over all probe sequences."""
     keys = list(range(num_layers + 1)) + [FINAL]
-    return {k: tap_stats(torch.cat([st[k] for st in states]), 1)["per_tap"][0] for k in keys}
+    return {k: tap_stats(torch.cat([st[k].float() for st in states]), 1)["per_tap"][0] for k in keys}
 
 
 def compare_tap_stats(recorded: dict, live: dict, engine: tuple) -> list[dict]:
@@ -234,13 +145,6 @@ def stats_mismatch(row: dict) -> bool:
 
 
 # --- the probe as a whole ---------------------------------------------------------------------------
-
-def best_of(results: list) -> tuple:
-    """The best (wiring, summary) by step-1 accuracy; near-ties go to the earliest candidate
-    (the engine's wiring, then the recorded one), so noise never names a stranger."""
-    top = max(r["acc"][0] or 0.0 for _, r in results)
-    return next((w, r) for w, r in results if (r["acc"][0] or 0.0) >= top - 0.01)
-
 
 def permuted_fc(draft, sources: tuple) -> torch.Tensor | None:
     """fc.weight with its input blocks reordered so that the engine's low-to-high feed gives each
@@ -270,71 +174,134 @@ def _change(w: Wiring, draft, change_for) -> tuple[str, object]:
                    config_set=dict(remedy.config_set) if remedy else {}))
 
 
-def run(target, draft, *, engine_taps, trained, n: int, prompts=None, steps: int = 3, recorded_metrics=None,
-        recorded_stats=None, change_for=None, who: str = "the engine") -> tuple[list, dict]:
-    """Measure; -> (findings, the probe's JSON record). `change_for(taps)` -> (text, Remedy|None)."""
+def run(target, draft, *, engine_taps, trained, inputs: Sequences, steps: int = 7, recorded: bool = True,
+        recorded_metrics=None, recorded_stats=None, change_for=None, who: str = "the engine",
+        pin_ids: bool = False, stated: tuple = (), progress: bool = False) -> tuple[list, dict]:
+    """Measure; -> (findings, the probe's JSON record). `change_for(taps)` -> (text, Remedy|None).
+    trained: the taps the draft was trained on, as eaglewire recorded them (recorded) or as inferred from its
+    files. pin_ids: the engine reads no explicit ids (it falls back to its defaults), so a wiring found right
+    is also written down."""
     stack = locate(target.model)
     N, n_taps = stack.num_layers, draft.config.num_taps
     draft = draft.to(next(stack.lm_head.parameters()).device)  # fp32 as loaded; the target may be bf16 on a GPU
-    seqs = probe_sequences(target, n, prompts)
+    seqs = inputs.seqs
+    say = (lambda m: print(f"eaglewire doctor: probe: {m}", file=sys.stderr, flush=True)) if progress else \
+        (lambda m: None)
+    t0 = time.perf_counter()
     states = [capture_states(target.model, ids) for ids, _ in seqs]
+    say(f"every tap of {len(seqs)} sequence(s) captured in {time.perf_counter() - t0:.1f} s")
     base = tuple(engine_taps) if engine_taps is not None else tuple(trained)
-    record = {"prompts": len(seqs), "steps": steps, "engine_wiring": list(base), "wirings": []}
+    record = {"prompts": len(seqs), "prompt_source": inputs.source, "steps": steps, "engine_wiring": list(base),
+              "level": paired.LEVEL, "wirings": [], "notes": list(inputs.notes)}
     if len(base) != n_taps:
-        record["note"] = f"{who} feeds {len(base)} taps, the draft's fc reads {n_taps}: only other wirings measured"
+        record["notes"].append(f"{who} feeds {len(base)} taps, the draft's fc reads {n_taps}: only other wirings "
+                               "measured")
         wirings = [Wiring(tuple(trained), "the draft's recorded taps")] if trained and len(trained) == n_taps else []
     else:
-        wirings = candidates(base, tuple(trained) if trained else None, N,
-                             "what the engine captures" if engine_taps is not None else "the recorded taps")
-    results = [(w, measure(draft, stack.lm_head, seqs, states, w, steps)) for w in wirings]
-    for w, r in results:
+        wirings = candidates(base, tuple(trained) if trained and recorded else None, N,
+                             "what the engine captures" if engine_taps is not None else "the recorded taps", stated)
+    measured = []
+    for i, w in enumerate(wirings):
+        measured.append((w, *measure(draft, seqs, states, w, steps)))
+        say(f"wiring {i + 1}/{len(wirings)} {w.describe()}: acceptance length "
+            f"{measured[-1][1]['acceptance_length']:.2f} ({time.perf_counter() - t0:.0f} s)")
+    eng = measured[0] if measured and len(base) == n_taps else None
+    diffs = paired.compare(eng[2], [pp for _, _, pp in measured[1:]]) if eng else [None] * len(measured)
+    for (w, r, _), d in zip(measured, [None] + diffs if eng else diffs):
         record["wirings"].append({"taps": [str(s) if s == FINAL else s for s in w.sources], "label": w.label,
-                                  **{k: metrics.rounded(r[k], 4) for k in ("acc", "cond_acc", "acceptance_length")},
-                                  "positions": r["positions"]})
+                                  **{k: _round(v) for k, v in r.items()}, "vs_engine": d.to_dict() if d else None})
+    if not measured:
+        return [], record
+    record["positions"], record["rounds"] = measured[0][1]["positions"], measured[0][1]["rounds"]
     findings = []
-    if not results:
-        return findings, record
-    record["positions"] = results[0][1]["positions"]
-    eng = results[0] if len(base) == n_taps else None
-    best_w, best_r = best_of(results)
-    if eng is not None and best_w.sources != eng[0].sources and clearly_better(best_r, eng[1]):
-        text, remedy = _change(best_w, draft, change_for)
-        stale = (" The recorded taps are not what this draft reads best either." if trained and
-                 tuple(best_w.sources) != tuple(trained) and best_w.plain else "")
-        findings.append(finding("PROBE_WIRING", "error",
-                                f"step-1 accuracy {_pct(eng[1])} with the wiring {who} will use {eng[0].describe()}, "
-                                f"{_pct(best_r)} with {best_w.describe()} ({best_w.label}), over "
-                                f"{best_r['positions']} positions.{stale}", text, remedy))
-    elif eng is not None:
-        findings.append(finding("PROBE_OK", "info", f"the wiring {who} will use {eng[0].describe()} scores best: "
-                                f"step-1 accuracy {_pct(eng[1])}, estimated acceptance length "
-                                f"{eng[1]['acceptance_length']:.2f} over {eng[1]['positions']} positions", ""))
+    if eng is not None:
+        findings.append(_verdict(eng, list(zip(measured[1:], diffs)), draft, change_for, who,
+                                 trained if recorded else None, pin_ids, steps, len(seqs)))
+        record["verdict"] = findings[-1].code
     findings += _low_acceptance(eng, recorded_metrics, record, bool(findings and findings[-1].code == "PROBE_WIRING"),
-                                prompts is not None or target.tokenizer is None)
+                                inputs.source.startswith("--prompts") or target.tokenizer is None)
     if recorded_stats and eng is not None:
         findings += _tap_stat_findings(recorded_stats, states, N, base, record)
     return findings, record
 
 
-def _pct(r: dict) -> str:
-    return f"{100 * (r['acc'][0] or 0.0):.1f}%"
+def _round(v):
+    if isinstance(v, float):
+        return round(v, 4)
+    if isinstance(v, list):
+        return [_round(x) for x in v]
+    return v
+
+
+def _ci(d: paired.Difference) -> str:
+    lo, hi = d.length_ci
+    return f"{d.length:+.2f}, interval {lo:+.2f}..{hi:+.2f}"
+
+
+def _verdict(eng, alts, draft, change_for, who: str, trained, pin_ids: bool, K: int, P: int):
+    """PROBE_WIRING when another wiring reads significantly better (an error from a cost of paired.COSTLY of
+    acceptance length), else PROBE_OK saying whether the engine's wiring is the best or tied within noise."""
+    ew, er, _ = eng
+    scale = (f"acceptance length {er['acceptance_length']:.2f} (a greedy chain of {K}, {P} prompts, "
+             f"{er['rounds']} rounds)")
+    better = [(w, r, d) for (w, r, _), d in alts if d.better]
+    if better:
+        w, r, d = max(better, key=lambda x: x[2].length)
+        text, remedy = _change(w, draft, change_for)
+        serious = d.cost >= paired.COSTLY
+        stale = (" The recorded taps are not what this draft reads best either." if trained and
+                 tuple(w.sources) != tuple(trained) and w.plain else
+                 "" if trained else f" Nothing records which taps it was trained on: of the wirings tried it reads "
+                 f"{w.describe()} best.")
+        msg = (f"{who} will feed {ew.describe()}: {scale}; the draft reads {w.describe()} ({w.label}) better: "
+               f"{r['acceptance_length']:.2f} ({_ci(d)}, paired over the same prompts), so the engine's wiring costs "
+               f"{100 * d.cost:.1f}% of acceptance length; step-1 accuracy {_pct(er['acc1'])} against "
+               f"{_pct(r['acc1'])}.{stale}")
+        if not serious:
+            text = f"a small but measured gain (under {100 * paired.COSTLY:.0f}% of acceptance length): {text}"
+        return finding("PROBE_WIRING", "error" if serious else "warning", msg, text, remedy)
+    ties = sorted(((w, d) for (w, _, _), d in alts if d.length >= 0), key=lambda x: -x[1].length)
+    if ties:
+        lead_w, lead = ties[0]
+        names = ", ".join(w.describe() for w, _ in ties[:3]) + (f" and {len(ties) - 3} more" if len(ties) > 3 else "")
+        exact = all(d.length_ci == (0.0, 0.0) for _, d in ties)
+        how = "the same acceptance on every prompt" if exact else f"the closest, {lead_w.describe()}, {_ci(lead)}"
+        msg = f"the wiring {who} will use {ew.describe()} is tied with {names} within noise ({how}): {scale}"
+    elif alts:
+        (nw, _, _), nd = max(alts, key=lambda x: x[1].length)
+        lower = "significantly lower" if nd.worse else "within noise"
+        msg = (f"the wiring {who} will use {ew.describe()} reads best of the {len(alts) + 1} wirings tried: {scale}; "
+               f"the next, {nw.describe()}, {_ci(nd)} ({lower})")
+    else:
+        msg = f"the wiring {who} will use {ew.describe()}: {scale} (no other wiring to compare)"
+    msg += f"; step-1 accuracy {_pct(er['acc1'])}"
+    if pin_ids and change_for is not None:
+        text, remedy = change_for(ew.sources)
+        if remedy is not None:
+            return finding("PROBE_OK", "info", msg + "; the engine reaches it only through its default taps",
+                           f"write it down so that it does not depend on the engine's fallback: {text}", remedy)
+    return finding("PROBE_OK", "info", msg, "")
+
+
+def _pct(x: float | None) -> str:
+    return f"{100 * (x or 0.0):.1f}%"
 
 
 def _low_acceptance(eng, recorded_metrics, record: dict, wiring_found: bool, own_prompts: bool) -> list:
     """Far below the held-out accuracy of training. On the user's prompts (the training distribution) a
-    drop is an error when halved, else a warning; on the built-in prompts, whose text differs from any
-    training set, only a halving is worth a warning."""
+    drop is an error when halved, else a warning; on other prompts, whose text differs from any training
+    set, only a halving is worth a warning."""
     rec = recorded_accuracy(recorded_metrics)
     if rec is None or eng is None:
         return []
     record["recorded_acc"] = rec
-    got = eng[1]["acc"][0] or 0.0
+    got, positions = eng[1]["acc1"] or 0.0, eng[1]["positions"]
     halved = got < 0.5 * rec[0]
-    if got >= rec[0] - max(0.15, 3 * _se(got, eng[1]["positions"])) or (not own_prompts and not halved):
+    if got >= rec[0] - max(0.15, 3 * _se(got, positions)) or (not own_prompts and not halved):
         return []
     sev = ("error" if halved else "warning") if own_prompts or wiring_found else "warning"
-    return [finding("PROBE_LOW_ACCEPTANCE", sev, f"step-1 accuracy {100 * got:.1f}% under the engine's wiring, "
-                    f"{100 * rec[0]:.1f}% held out at training time",
+    return [finding("PROBE_LOW_ACCEPTANCE", sev, f"step-1 accuracy {_pct(got)} under the engine's wiring, "
+                    f"{_pct(rec[0])} held out at training time",
                     "fix the wiring first (PROBE_WIRING)" if wiring_found else
                     "check the target (TARGET_MISMATCH) and measure on prompts like the training data (--prompts)")]
 
