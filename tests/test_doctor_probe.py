@@ -7,10 +7,13 @@ import json
 import pytest
 import torch
 
-from eaglewire import interop
+from eaglewire import interop, targets
 from eaglewire.checkpoint import save_draft
 from eaglewire.doctor import diagnose
+from eaglewire.doctor.cli import render
+from eaglewire.errors import UsageError
 from eaglewire.doctor import probe as P
+from eaglewire.doctor import probe_inputs
 from eaglewire.taps import TapContract
 
 import doctor_fixtures as fx
@@ -47,10 +50,9 @@ def test_draft_reads_exactly_its_taps(world):
     """The fixture is meaningful: the right taps give near-perfect step-1 accuracy, one layer off does not."""
     _, model, target = world
     draft = fx.probe_draft(model)
-    seqs = P.probe_sequences(target, 4)
-    states = [P.capture_states(model, ids) for ids, _ in seqs]
-    acc = {t: P.measure(draft, model.lm_head, seqs, states, P.Wiring(t, ""), 1)["acc"][0]
-           for t in [(2, 4, 7), (2, 4, 6), (3, 5, 8)]}
+    seqs = probe_inputs.sequences(target, 4).seqs
+    states = [probe_inputs.capture_states(model, ids) for ids, _ in seqs]
+    acc = {t: P.measure(draft, seqs, states, P.Wiring(t, ""), 1)[0]["acc1"] for t in [(2, 4, 7), (2, 4, 6), (3, 5, 8)]}
     assert acc[(2, 4, 7)] > 0.95 and acc[(2, 4, 6)] < 0.7 and acc[(3, 5, 8)] < 0.2
 
 
@@ -60,7 +62,7 @@ def test_probe_of_clean_exports_is_ok(world, fmt):
     out = _export(world, fmt, f"clean-{fmt}")
     r = diagnose(out, target=target, probe=4, records=str(d / "ck"))
     assert r.codes() == ["PROBE_OK"], r.findings
-    assert r.probe["wirings"][0]["acc"][0] > 0.95
+    assert r.probe["wirings"][0]["acc1"] > 0.95
 
 
 def test_shifted_config_is_measured_named_and_fixed(world):
@@ -132,3 +134,112 @@ def test_a_trained_draft_exported_for_every_engine_passes_clean(tmp_path):
         interop.export_draft(tmp_path / "ck", fmt, tmp_path / fmt)
         r = diagnose(tmp_path / fmt, target=target, probe=8, prompts=str(prompts), records=str(tmp_path / "ck"))
         assert r.codes() == ["PROBE_OK"], (fmt, r.findings)
+
+
+# --- drafts trained elsewhere: no eaglewire record ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A draft fitted (tests/decoding.py `fit`) to read taps [2, 4, 5] of the fixture target, whose per-token
+    layers make every tap a different function of the token: one layer off costs it acceptance, not all of it."""
+    from decoding import fit, new_draft
+
+    d = tmp_path_factory.mktemp("trained")
+    model = fx.probe_target()
+    contract = TapContract(8, (2, 4, 5))
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 128, (48,), generator=g) for _ in range(16)]
+    draft = fit(new_draft(model, contract), model, contract, seqs, steps=300)
+    target = fx.as_target(model)
+    save_draft(draft, d / "ck", contract=contract, target_fingerprint=target.fingerprint)
+    return d, target
+
+
+def _foreign(d, fmt, name, edit):
+    """An eaglewire export with its record removed, as another trainer's checkpoint arrives, ids edited."""
+    out = d / name
+    interop.export_draft(d / "ck", fmt, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("eaglewire")
+    edit(cfg["eagle_config"] if fmt == "sglang" else cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_plus_one_ids_of_a_foreign_draft_are_measured_named_and_fixed(trained, fmt):
+    """The seed incident without a record: ids one layer late. Only the probe can see it; it names the taps
+    the draft reads best, with the paired interval and the cost, and its fix makes the engine feed them."""
+    d, target = trained
+    shifted = _foreign(d, fmt, f"{fmt}-plus1", lambda h: h.__setitem__(IDS, [i + 1 for i in h[IDS]]))
+    static = diagnose(shifted, target=target)
+    assert static.exit_code == 0 and "TAPS_UNVERIFIED" in static.codes()  # nothing to compare the ids with
+    r = diagnose(shifted, target=target, probe=32)
+    f = r.get("PROBE_WIRING")
+    assert f.severity == "error" and r.exit_code == 1, r.findings
+    assert "will feed [3, 5, 6]" in f.message and "reads [2, 4, 5]" in f.message and "interval +0." in f.message
+    assert r.get("TAPS_UNVERIFIED").severity == "info"  # the measurement settled what the static check could not
+    d_ = next(w for w in r.probe["wirings"] if w["taps"] == [2, 4, 5])["vs_engine"]
+    assert d_["better"] and d_["cost"] >= 0.03 and d_["acceptance_length_ci"][0] > 0
+    f.remedy.apply(shifted)
+    again = diagnose(shifted, target=target, probe=32)
+    assert again.get("PROBE_OK") is not None and again.exit_code == 0, again.findings
+    right = _foreign(d, fmt, f"{fmt}-right", lambda h: None)
+    ok = diagnose(right, target=target, probe=32)
+    assert ok.exit_code == 0 and ok.get("PROBE_OK").message.startswith(
+        f"the wiring {'SGLang' if fmt == 'sglang' else 'vLLM'}"), ok.findings
+    assert "scores best" not in ok.get("PROBE_OK").message
+
+
+def test_no_ids_anywhere_the_probe_decides_and_pins_them(trained):
+    """With neither a record nor ids, which taps it was trained on is unknown: a warning naming the probe
+    command; the probe then finds the engine's fallback right and --apply writes it down explicitly."""
+    d, target = trained
+    bare = _foreign(d, "vllm", "vllm-noids", lambda h: h.pop(IDS))
+    f = diagnose(bare, target=target).get("TAPS_MISSING")
+    assert f.severity == "warning" and "unknown" in f.message and "happen" not in f.message
+    assert "--probe 32" in f.fix
+    r = diagnose(bare, target=target, probe=32)
+    ok = r.get("PROBE_OK")
+    assert ok is not None and r.get("TAPS_MISSING").severity == "info" and ok.remedy is not None, r.findings
+    ok.remedy.apply(bare)
+    assert json.loads((bare / "config.json").read_text())[IDS] == [2, 4, 5]
+    assert "TAPS_MISSING" not in diagnose(bare, target=target).codes()
+
+
+def test_ids_under_a_key_the_engine_ignores_are_evidence(trained):
+    """SGLang ids written under vLLM's file layout: vLLM never reads them and falls back to its default taps
+    [2, 4, 5]; the ids state [3, 5, 6] as SGLang reads them. Different taps: an error giving both."""
+    d, target = trained
+    out = _foreign(d, "vllm", "vllm-nested", lambda h: h.setdefault("eagle_config", {}).__setitem__(IDS, h.pop(IDS)))
+    f = diagnose(out, target=target).get("TAPS_WRONG_PLACE")
+    assert f.severity == "error" and "[3, 5, 6] as SGLang reads them" in f.message and "[2, 4, 5]" in f.message
+    r = diagnose(out, target=target, probe=32)  # measured: the fallback is what the draft reads best
+    assert r.get("PROBE_OK") is not None and r.get("TAPS_WRONG_PLACE").severity == "info", r.findings
+    assert any(w["label"].startswith("as SGLang reads the ids under") for w in r.probe["wirings"])
+
+
+def test_probe_prompts_are_distinct_and_never_repeated(world, tmp_path):
+    builtin = probe_inputs.builtin_prompts()
+    assert len(builtin) >= 64 and len(probe_inputs.distinct(builtin)) == len(builtin)
+    target = targets.load_target(str(fx.save_target_dir(tmp_path / "t", world[1])), device="cpu")
+    convs = [[{"role": "user", "content": f"say {w}"}] for w in ("a", "b", "a", "c")]
+    got = probe_inputs.sequences(target, 10, convs, "a file", new_tokens=6)
+    assert len(got.seqs) == 3 and "3 distinct prompts" in got.notes[0]  # the repeat dropped, nothing cycled
+    assert len({tuple(ids.tolist()) for ids, _ in got.seqs}) == 3
+    for ids, mask in got.seqs:
+        assert 0 < int(mask.sum()) <= 6 and bool(mask[-1]) and not bool(mask[0])  # the target's own continuation
+
+
+def test_probe_suite_file_and_counts_in_the_report(world, tmp_path):
+    d, model, _ = world
+    target = targets.load_target(str(fx.save_target_dir(tmp_path / "t", model)), device="cpu")
+    suite = tmp_path / "suite.txt"
+    suite.write_text("".join(f"question number {i}\n" for i in range(5)))
+    r = diagnose(d / "ck", target=target, probe=4, suite=str(suite), probe_tokens=12)
+    assert r.probe["prompts"] == 4 and r.probe["prompt_source"] == f"--suite {suite.name}"
+    assert r.probe["positions"] > 0 and r.probe["rounds"] > 0
+    text = render(r)
+    assert "4 prompt(s)" in text and f"{r.probe['positions']} positions" in text
+    with pytest.raises(UsageError):
+        diagnose(d / "ck", target=target, probe=4, suite=str(suite), prompts=str(suite))

@@ -208,9 +208,16 @@ def test_fc_shape_against_a_target_of_another_width(tmp_path):
     out = export(tmp_path, "sglang")
     m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=8,
                                            num_attention_heads=4, num_key_value_heads=2))
-    r = diagnose(out, target=Target(spec="wide", model=m, tokenizer=None, fingerprint=fingerprint(m)))
-    assert "FC_SHAPE" in r.codes() and "TARGET_MISMATCH" in r.codes()
-    assert "FC_SHAPE" not in diagnose(out, target=tiny_target()).codes()  # the fix: the right target
+    wide = Target(spec="wide", model=m, tokenizer=None, fingerprint=fingerprint(m))
+    r = diagnose(out, target=wide)
+    # the draft's own files agree (fc is 3 x 32 wide): the pairing is wrong, and the message names both widths
+    f = next(f for f in r.findings if f.code == "TARGET_MISMATCH" and "fc.weight" in f.message)
+    assert f.severity == "error" and "32 wide" in f.message and "hidden size 64" in f.message
+    assert "FC_SHAPE" not in r.codes()
+    edit(out, lambda c: c.pop("eaglewire"))  # the same without a record: the draft's width is all there is to go by
+    r = diagnose(out, target=wide)
+    assert "TARGET_MISMATCH" in r.codes() and "FC_SHAPE" not in r.codes() and "DRAFT_UNREADABLE" not in r.codes()
+    assert "TARGET_MISMATCH" not in diagnose(out, target=tiny_target()).codes()  # the fix: the right target
 
 
 def test_fc_shape_when_target_hidden_size_is_missing(tmp_path):

@@ -21,7 +21,7 @@ from .engine_args import EngineRun, with_option, with_speculative_config
 from .findings import Finding, Remedy, finding
 from .subject import Subject, TargetFacts
 
-# Norm flags whose absence engines read differently (CONVENTIONS.md section 3).
+# Norm flags whose absence engines read differently (docs/CONVENTIONS.md section 3).
 AMBIGUOUS_WHEN_ABSENT = {
     "norm_before_residual": "vLLM reads a speculators config without it as true (update_eagle3), plain configs "
                             "and the speculators library as false, SGLang hard-codes false",
@@ -127,10 +127,11 @@ def check_taps(ctx: Context) -> list[Finding]:
     s, v, N = ctx.subject, ctx.view, ctx.num_layers
     out = []
     if s.contract is not None and not s.recorded:
-        out.append(finding("TAPS_UNVERIFIED", "warning",
-                           f"no tap record from eaglewire: the draft's taps {list(s.contract.taps)} are "
-                           f"{s.contract_from}", "confirm them by measurement with --target T --probe 8, or import "
-                           "the draft with the --source it really came from"))
+        what = (f"which taps it was trained on is {s.contract_from}" if s.contract_from.startswith("unknown")
+                else f"the draft's taps {list(s.contract.taps)} are {s.contract_from}")
+        out.append(finding("TAPS_UNVERIFIED", "warning", f"no tap record from eaglewire: {what}",
+                           f"measure which taps it reads (`{' '.join(_probe_command(ctx))}`), or import the draft "
+                           "with the --source it really came from"))
     if s.contract is not None and N is not None and s.contract.num_layers != N:
         return out  # TARGET_MISMATCH says it; every tap comparison would be noise
     if v is None or not v.recognised:
@@ -150,6 +151,8 @@ def check_taps(ctx: Context) -> list[Finding]:
                                "serve it with SGLang 0.5.12 or newer (fc width follows the ids): "
                                "--engine-version 0.5.12" if ctx.engine == "sglang" else
                                "retrain on 3 taps (vLLM's llama_eagle3.py fc is 3 taps wide)"))
+    if not s.recorded and v.ids is None:
+        truth = None  # what the engine reads says nothing of the trained taps: stated ids (if any) are the evidence
     if truth is not None and ctx.engine == "vllm" and (0 in truth or N in truth):
         out.append(finding("TAPS_UNSUPPORTED", "info", f"taps {list(truth)} include the embedding (0) or the last "
                            f"layer's output ({N}): vLLM captures those only with EagleModelMixin (PR #36063; "
@@ -186,20 +189,77 @@ def _unsupported(ctx: Context, truth, why: str) -> Finding:
 
 
 def _missing(ctx: Context, truth, remedy: Remedy | None) -> list[Finding]:
+    """The engine reads no ids and falls back to its default taps. Against a record that is right or wrong;
+    without one, ids written under a key the engine ignores state what was meant, and with no ids at all
+    nothing says which taps the draft was trained on."""
     v, name, key = ctx.view, engine_name(ctx), ctx.ids_key
-    default = v.captured_taps
-    right = truth is not None and default is not None and tuple(default) == tuple(truth)
-    sev = "warning" if right or truth is None else "error"
-    fallback = (f"it falls back to its default taps {default if default else '(2, N//2, N-3)'}"
-                + (", which happen to be the trained taps"
-                if right else f", not the trained taps {list(truth)}" if truth is not None else ""))
-    if v.ids_ignored:
-        where, ids = next(iter(v.ids_ignored.items()))
+    default = list(v.captured_taps) if v.captured_taps else None
+    fallback = f"{name} falls back to its default taps {default if default else '(2, N//2, N-3)'}"
+    quirk = " (read inside a bare `except:`, so nothing is logged)" if ctx.engine == "sglang" else ""
+    ignored = next(iter(v.ids_ignored.items()), None)
+    if truth is not None:
+        right = default is not None and tuple(default) == tuple(truth)
+        fallback += (", the trained taps, reached only through its default" if right
+                     else f", not the trained taps {list(truth)}")
+        sev = "warning" if right else "error"
+    elif ignored is not None:
+        return [_stated_elsewhere(ctx, *ignored, default, fallback)]
+    else:
+        sev = "warning"
+        fallback += ("; this checkpoint records no taps and states no ids, so which taps it was trained on is unknown "
+                     "(many public drafts rely on the default)")
+        remedy = Remedy(commands=(_probe_command(ctx),))
+    if ignored is not None:
+        where, ids = ignored
         return [finding("TAPS_WRONG_PLACE", sev, f"layer ids {ids} are under {where}, which {name} never reads "
                         f"(it reads only {key}): {fallback}", "put them where the engine reads them", remedy)]
-    quirk = " (read inside a bare `except:`, so nothing is logged)" if ctx.engine == "sglang" else ""
-    return [finding("TAPS_MISSING", sev, f"no {key} in config.json{quirk}: {fallback}",
-                    "write the ids explicitly", remedy)]
+    fix = "write the ids explicitly" if truth is not None else "measure which taps it reads"
+    return [finding("TAPS_MISSING", sev, f"no {key} in config.json{quirk}: {fallback}", fix, remedy)]
+
+
+def _stated_elsewhere(ctx: Context, where: str, ids: list[int], default, fallback: str) -> Finding:
+    """No record: ids under a key this engine never reads still state which taps were meant, in the
+    convention of the engines that read that key."""
+    name, key = engine_name(ctx), ctx.ids_key
+    readings = stated_taps(ctx, where, ids)
+    said = " or ".join(f"taps {list(t)} as {who} reads them" for who, t in readings) or "no taps this target has"
+    agree = default is not None and any(tuple(t) == tuple(default) for _, t in readings)
+    msg = f"layer ids {ids} are under {where}, which {name} never reads (it reads only {key}); they state {said}"
+    one = {tuple(t) for _, t in readings}
+    remedy = taps_remedy(ctx, next(iter(one))) if len(one) == 1 else None
+    if agree:
+        return finding("TAPS_WRONG_PLACE", "warning", f"{msg}: {fallback}, the same taps, reached only through its "
+                       "default", "put them where the engine reads them", remedy)
+    return finding("TAPS_WRONG_PLACE", "error", f"{msg}, but {fallback}",
+                   "write the stated taps where the engine reads them" if remedy else
+                   "find out which convention wrote them, then write the ids where the engine reads them "
+                   f"(measure with `{' '.join(_probe_command(ctx))}`)", remedy)
+
+
+def stated_taps(ctx: Context, where: str, ids: list[int]) -> list[tuple[str, tuple[int, ...]]]:
+    """What ids under a key mean to the engines and trainers that write that key: the nested eagle_config
+    key is SGLang's and SpecForge's (docs/CONVENTIONS.md section 1), the top-level one vLLM's and
+    speculators'."""
+    N = ctx.num_layers
+    if where.startswith("eagle_config."):
+        convs = [("SGLang", interop.sglang.convention_for(ctx.model_type, ctx.version)), ("SpecForge", "specforge")]
+    else:
+        convs = [("vLLM", "vllm")]
+    out = []
+    for who, conv in convs:
+        try:
+            taps = tuple(CONVENTIONS[conv].from_ids(ids, N))
+        except TapError:
+            continue
+        if all(taps != t for _, t in out):
+            out.append((who, taps))
+    return out
+
+
+def _probe_command(ctx: Context) -> tuple[str, ...]:
+    target = ctx.target.spec if ctx.target is not None and ctx.target.spec else "TARGET"
+    return ("eaglewire", "doctor", "--draft", str(ctx.subject.path), "--target", target, "--engine",
+            str(ctx.engine), "--probe", "32")
 
 
 # --- fc ----------------------------------------------------------------------------------------------
@@ -210,8 +270,13 @@ def check_fc(ctx: Context) -> list[Finding]:
     if fc is None or fc.dim() != 2:
         return []
     width, out = int(fc.shape[1]), []
-    n = len(s.contract.taps) if s.contract else None
+    n = len(s.contract.taps) if s.contract else (s.config.num_taps if s.config else None)
     ht = ctx.target.hidden_size if ctx.loaded else (s.config.target_hidden_size if s.config else None)
+    own = paired_width(ctx)
+    if own is not None:  # the draft's files agree with each other: the pairing is wrong, not the draft
+        return [finding("TARGET_MISMATCH", "error", f"the draft reads {n} taps {own} wide (fc.weight is {width} = "
+                        f"{n} x {own}), the target {ctx.target.spec} has hidden size {ht}",
+                        "pass the target the draft was trained for, or train a draft for this one")]
     if n and ht and width != n * ht:
         hint = (" (as wide as ONE hidden state: an EAGLE-1/2 draft, which has no fusion)" if width == ht else
                 f" (= {width // ht} taps)" if width % ht == 0 else "")
@@ -231,6 +296,18 @@ def check_fc(ctx: Context) -> list[Finding]:
                            "state the target's hidden size" if remedy else "re-export the draft with eaglewire",
                            remedy))
     return out
+
+
+def paired_width(ctx: Context) -> int | None:
+    """The width of the hidden states the draft reads, when the draft's files agree on it (fc.weight = taps x
+    target_hidden_size) but a loaded target's hidden size differs; else None."""
+    s = ctx.subject
+    fc = s.dd.tensors.get("fc.weight")
+    if not ctx.loaded or s.config is None or fc is None or fc.dim() != 2:
+        return None
+    own, n = s.config.target_hidden_size, (len(s.contract.taps) if s.contract else s.config.num_taps)
+    ht = ctx.target.hidden_size
+    return own if ht and own != ht and int(fc.shape[1]) == n * own else None
 
 
 def check_bypass(ctx: Context) -> list[Finding]:
@@ -498,6 +575,8 @@ def check_target(ctx: Context) -> list[Finding]:
         got = live.get(k)
         if want is None or got is None or got == want or k not in STRUCTURAL + ("weights_hash", "chat_template_hash"):
             continue
+        if k == "hidden_size" and paired_width(ctx) is not None:
+            continue  # check_fc names both widths
         sev = "error" if k in STRUCTURAL else "warning"
         out.append(finding("TARGET_MISMATCH", sev, f"--target {ctx.target.spec}: {k} is {got!r}, the draft was "
                            f"{'trained' if ctx.subject.recorded else 'made'} for {want!r}",
