@@ -92,8 +92,8 @@ def by_kind(row: dict) -> dict[str, dict[str, float]]:
 
 
 def ms_cell(us: float) -> str:
-    """A kind's ms a round for the table: "-" where the two profiles' difference is noise around nothing (the
-    thirteenth run printed a plain step's attention, fused into Inductor's kernels, as -0.000)."""
+    """A kind's ms a round for the table: "-" where the two profiles' difference is noise around nothing (a
+    plain step's attention, fused into Inductor's kernels, once printed as -0.000)."""
     return "-" if us < 0.5 else f"{us / 1e3:.3f}"
 
 

@@ -129,7 +129,7 @@ def test_models_it_does_not_help_are_left_alone(attn, kv_heads):
 @pytest.mark.parametrize("grouped", [True, False, None])
 def test_the_decoder_switches_its_own_copy_not_the_callers_target(grouped):
     """None (the default) is grouped on CUDA only: it won every round on the H200 and was mixed on a
-    2-core CPU (PERFORMANCE.md, eleventh run)."""
+    2-core CPU (benchmarks/results/2026-11-30-run11-slots-regeneration.md)."""
     model = llama()
     target = Target(spec="tiny", model=model, tokenizer=None)
     dec = SpecDecoder(target, fuse_projections=False, prepack=False, grouped_attention=grouped)

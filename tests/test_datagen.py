@@ -226,8 +226,8 @@ def test_slots_engine_refuses_what_it_cannot_run(llama, monkeypatch):
 
 
 def test_auto_engine_is_slots_on_cuda_for_the_models_batchgen_runs(llama, monkeypatch):
-    """Measured (PERFORMANCE.md, eleventh run): slots regenerated 2.1x faster than generate on an H200 and
-    2.2x slower on a 2-core CPU; a model outside batchgen's families keeps generate."""
+    """Measured (benchmarks/results/2026-11-30-run11-slots-regeneration.md): slots regenerated 2.1x faster than
+    generate on an H200 and 2.2x slower on a 2-core CPU; a model outside batchgen's families keeps generate."""
     auto, cuda = GenConfig(), torch.device("cuda")
     assert auto.engine == "auto" and auto.engine_for(llama.model, torch.device("cpu")) == "hf"
     assert auto.engine_for(llama.model, cuda) == "slots"

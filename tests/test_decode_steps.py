@@ -46,7 +46,7 @@ def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, 
 
 
 def test_kernel_kinds_of_names_an_h200_profile_showed():
-    """round_kernels.py sorts a round's kernels by name (twelfth run, torch.profiler on the H200)."""
+    """round_kernels.py sorts a round's kernels by name (names from torch.profiler on the H200)."""
     assert kind("nvjet_sm90_tst_8x64_64x16_4x1_v_bz_TNN") == "matmul"
     assert kind("triton_per_fused_mm_t_view_12") == "matmul"  # Inductor's one-row matmul
     assert kind("triton_tem_fused__to_copy_bmm_transpose_view_6") == "matmul"
@@ -88,6 +88,7 @@ def test_sampled_arms_make_the_same_tokens(llama, seqs, drafts):
 
 
 def test_kinds_with_nothing_in_a_round_print_a_dash():
-    """A profile difference of about nothing (or below it) is no time: "-", never "-0.000" (thirteenth run)."""
+    """A profile difference of about nothing (or below it) is no time: "-", never "-0.000" (a plain step's
+    attention, fused into Inductor's kernels, once printed so)."""
     assert ms_cell(-0.3) == ms_cell(0.0) == ms_cell(0.2) == "-"
     assert ms_cell(198.0) == "0.198" and ms_cell(1303.4) == "1.303"

@@ -155,8 +155,8 @@ def test_serve_md_has_the_exact_commands(tmp_path):
 
 
 def test_spec_args_never_let_sglang_override_them():
-    """SGLang forces num_draft_tokens = num_steps + 1 when topk == 1 (CONVENTIONS section 5, the seed
-    incident: steps 1 + topk 1 turned 16 draft tokens into 2)."""
+    """SGLang forces num_draft_tokens = num_steps + 1 when topk == 1 (docs/CONVENTIONS.md section 5, the
+    seed incident: steps 1 + topk 1 turned 16 draft tokens into 2)."""
     assert SpecArgs(num_steps=3).draft_tokens == 4
     with pytest.raises(UsageError, match="silently replace"):
         SpecArgs(num_steps=1, topk=1, draft_tokens=16)

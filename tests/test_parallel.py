@@ -23,7 +23,8 @@ def joined(monkeypatch, cuda: bool, local_rank: int):
 
 def test_nccl_rank_is_bound_to_its_gpu(monkeypatch):
     """Without device_id NCCL guesses the GPU from the global rank and warns that this can hang
-    (seen in the ninth H200 run, torch 2.11); the rank names cuda:LOCAL_RANK itself."""
+    (seen on two H200s with torch 2.11, benchmarks/results/2026-11-29-run09-ddp-fine-tune.md); the rank names
+    cuda:LOCAL_RANK itself."""
     d, calls = joined(monkeypatch, cuda=True, local_rank=1)
     gpu = torch.device("cuda", 1)
     assert (d.rank, d.world, d.device, d.own) == (1, 2, gpu, True)
@@ -37,8 +38,9 @@ def test_cpu_ranks_use_gloo_without_a_device(monkeypatch):
 
 
 def test_mfu_of_several_gpus_is_per_gpu(capsys):
-    """The training tokens/s is all ranks' together, so the ninth H200 run's 182,431 tok/s on two GPUs
-    (1.24 GFLOP a token) is 11.4% of each GPU's peak, not the 22.8% it first reported."""
+    """The training tokens/s is all ranks' together, so 182,431 tok/s on two H200s (1.24 GFLOP a token;
+    benchmarks/results/2026-11-29-run09-ddp-fine-tune.md) is 11.4% of each GPU's peak, not the 22.8% it first
+    reported."""
     from types import SimpleNamespace
 
     from eaglewire import metrics

@@ -79,7 +79,7 @@ def test_prepack_refuses_what_it_cannot_pack():
 
 
 def test_each_layer_calls_the_linear_this_machine_runs_faster(monkeypatch, pack_all):
-    """Packing pays on one CPU and not on another (prepack.py: an AMD EPYC against an Intel Xeon, fifteenth run):
+    """Packing pays on one CPU and not on another (prepack.py: an AMD EPYC against an Intel Xeon):
     `prepacked` times both ways per shape, at each row count it is given, in passes over every layer (weights
     from memory, as in a step), and each layer calls the faster for the rows it gets. The clock is rigged here:
     dense wins at one row, packed at eight."""
@@ -119,7 +119,7 @@ def test_each_layer_calls_the_linear_this_machine_runs_faster(monkeypatch, pack_
     assert [c[1:] for c in calls] == [(1, "dense"), (3, "packed")]  # 3 rows: as at 8, the next count timed
     alone = prepack.PackedLinear(model[0])
     assert alone.dense_at == {} and alone.packed_weight.numel() > 0  # a layer alone packs
-    # MKL's cost jumps between 3 rows and 4 on the Intel Xeon (sixteenth run): a 3-row verify is timed as such
+    # MKL's cost jumps between 3 rows and 4 on the Intel Xeon (prepack.py): a 3-row verify is timed as such
     costs.update({(3, "dense"): 1, (3, "packed"): 3})
     calls.clear()
     three = prepack.prepacked(model, (1, 3, 8))

@@ -246,8 +246,9 @@ def test_the_recipe_steers_its_self_written_prompts(target_dir, tmp_path, monkey
 
 
 def test_long_recipe_pools_every_kind_of_reply(target_dir, tmp_path, monkeypatch):
-    """recipe long is full with the sixteenth run's data (README): every user turn up to the third answered by
-    the target, the file's own replies pooled in, task-steered self-written prompts; each can be turned off."""
+    """recipe long is full with the data that made the best draft (README;
+    benchmarks/results/2026-11-30-run16-recipe-long.md): every user turn up to the third answered by the target, the
+    file's own replies pooled in, task-steered self-written prompts; each can be turned off."""
     asked = []
 
     def writer(target, n, gen, dist, openers):

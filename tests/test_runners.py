@@ -142,10 +142,10 @@ def test_target_forwards_autotune_their_matmuls_on_cuda_only():
 
 
 def test_only_single_row_forwards_are_autotuned(monkeypatch):
-    """Autotuning pays for a 1-row decode step only: on the H200 it made the plain step faster and an
-    8-row verify 25% slower (docs/PERFORMANCE.md, eighth run), and a prefill chunk runs once a prompt.
-    Other sizes go through a compiled function without autotuning: on CUDA a separate torch.compile
-    wrapper, on a CPU the same one (nothing is autotuned)."""
+    """Autotuning pays for a 1-row decode step only: on the H200 it made the plain step faster and an 8-row verify 25%
+    slower (benchmarks/results/2026-11-29-run08-autotune-plain-step.md), and a prefill chunk runs once a prompt.
+    Other sizes go through a compiled function without autotuning: on CUDA a separate torch.compile wrapper, on a
+    CPU the same one (nothing is autotuned)."""
     import eaglewire.runners as runners
 
     asked = []

@@ -393,8 +393,9 @@ def test_lr_cosine_ends_at_the_horizon_when_one_is_given():
 
 
 def test_default_warmup_is_a_share_of_the_horizon_not_of_the_plan():
-    """Eleventh-session run (train.log): 750 steps under a time budget, planned 27,920; a warmup of 2% of the plan
-    took 558 of them. 2% of the horizon warms up for 15, then the cosine runs to the floor."""
+    """A budget-stopped run on two H200s (train.log; benchmarks/results/2026-11-30-run12-decoder-defaults.md): 750
+    steps under a time budget, planned 27,920; a warmup of 2% of the plan took 558 of them. 2% of the horizon warms
+    up for 15, then the cosine runs to the floor."""
     cfg = TrainConfig(lr=1e-3, min_lr_ratio=0.1)
     assert lr_at(cfg, 14, 27920, horizon=750) == pytest.approx(1e-3)
     assert lr_at(cfg, 14, 27920) == pytest.approx(1e-3 * 15 / 558)  # no horizon yet: the plan's warmup

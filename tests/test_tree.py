@@ -232,8 +232,8 @@ def test_frontier_forwards_on_a_real_model_equal_decoding_each_path():
 
 
 def grow_by_ancestors(root_logits, root_hidden, depth, topk, to_target, forward):
-    """grow as it was until the eighteenth run: each level's block from frontier_attention over the whole tree,
-    each node's input hidden state looked up by its parent's index."""
+    """grow as it was before each level took its block from the last frontier's rows: each level's block from
+    frontier_attention over the whole tree, each node's input hidden state looked up by its parent's index."""
     tree, frontier = DraftTree.empty(), root_frontier()
     node_hidden = root_hidden.new_zeros(tree_mod.grown_nodes(depth, topk), root_hidden.shape[-1])
     cached = torch.zeros(0, dtype=torch.long)

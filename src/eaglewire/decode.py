@@ -45,11 +45,11 @@ GREEDY = SamplingParams()
 # Fingerprint fields a draft can differ in and still run (a fine-tuned or re-quantized target, another
 # chat template): a warning, an error with strict. Any other difference is always an error.
 SOFT_FIELDS = ("weights_hash", "chat_template_hash", "architecture", "model_type", "tokenizer_hash")
-# The shape a round drafts where none is given (docs/PERFORMANCE.md). On a GPU a round is bound by launches, so a
-# long chain or a wide tree costs little more than one token: chain 7 and tree d6 k8 b63 were the fastest on an
-# H200. On a CPU each draft step and each verified row costs its own time. Two cores of an Intel Xeon, one bench:
-# chain 2 1.30x HF, chain 3 1.14x, chain 7 1.00x, tree d4 k3 b8 1.16x, d6 k8 b63 0.86x; on an AMD EPYC chain 3
-# and d4 k3 b8 led chain 2 by 6-9%.
+# The shape a round drafts where none is given (measured: benchmarks/results/). On a GPU a round is bound by
+# launches, so a long chain or a wide tree costs little more than one token: chain 7 and tree d6 k8 b63 were the
+# fastest on an H200. On a CPU each draft step and each verified row costs its own time. Two cores of an Intel Xeon,
+# one bench: chain 2 1.30x HF, chain 3 1.14x, chain 7 1.00x, tree d4 k3 b8 1.16x, d6 k8 b63 0.86x
+# (benchmarks/results/2026-11-30-run17-grown-layer.md); on an AMD EPYC chain 3 and d4 k3 b8 led chain 2 by 6-9%.
 DEFAULT_SHAPES = {"cuda": {"K": 7, "depth": 6, "topk": 8, "budget": 63},
                   "cpu": {"K": 2, "depth": 4, "topk": 3, "budget": 8}}
 
@@ -153,12 +153,12 @@ class SpecDecoder:
     merge by itself (SmolLM2-135M, a plain step: H200 compiled 1.51 -> 1.21 ms; 2-core CPU within
     noise). None: on for targets up to FUSE_MAX_PARAMS, whose steps are bound by their kernel
     count; the copy holds those projections twice, which a big target cannot spare.
-    grouped_attention runs a target whose query heads share K/V heads through attention.grouped_sdpa
-    (each K/V head read in place) instead of transformers' sdpa, which copies the K/V for every query head.
-    None: on for a CUDA target, where it won every round on the H200 (plain step 1.104 -> 1.046 ms,
-    eleventh run; chain and tree rounds by 1-3%, tenth); not on a CPU, where it was mixed (2-core,
-    eleventh run: plain 22.1 -> 22.5 ms, chain 3 33.3 -> 31.9 ms). The draft's steps follow both choices
-    on a copy of their own (draft.grouped_copy, projections.fused): they too are bound by kernel count.
+    grouped_attention runs a target whose query heads share K/V heads through attention.grouped_sdpa (each K/V
+    head read in place) instead of transformers' sdpa, which copies the K/V for every query head. None: on for a
+    CUDA target, where it won every round on the H200 (plain step 1.104 -> 1.046 ms, chain and tree rounds by
+    1-3%); not on a CPU, where it was mixed (2-core: plain 22.1 -> 22.5 ms, chain 3 33.3 -> 31.9 ms;
+    benchmarks/results/2026-11-30-run11-slots-regeneration.md). The draft's steps follow both choices on a copy
+    of their own (draft.grouped_copy, projections.fused): they too are bound by kernel count.
     device/dtype move the target (and the draft follows the target).
     """
 

@@ -7,7 +7,8 @@ and 11.8 ms for eight, a whole forward 42 ms for one token and 62 ms for four. W
 packed once for oneDNN: lm_head 3.4 / 5.2 ms, the forward 32 / 41 ms, logits equal to 1e-4 and the
 same argmax at every position. Called through oneDNN's pointwise linear on dense activations (no
 conversion of the activations in and out), a plain decode step went from 33 to 24 ms.
-docs/PERFORMANCE.md has the benchmarks.
+The benchmarks: benchmarks/results/2026-11-29-run02-compiled-decoder.md and
+benchmarks/results/2026-11-29-run04-fused-projections.md.
 
 `prepacked(module)` returns a copy of the module tree in which every nn.Linear of at least
 MIN_WEIGHTS weights is a `PackedLinear`; every other tensor (embeddings, norms, buffers, the dense
@@ -17,15 +18,16 @@ size, more than the packing saves there (a 32x32 layer: 1.5 us dense, 11 us pack
 a second copy of the linear layers in memory (about 0.5 GB for SmolLM2-135M in fp32), less the layers that are
 faster dense at every row count (`time_layers`).
 
-Whether the packed layout pays is the machine's, not the layer's. Those figures were an AMD EPYC's, where MKL
-is slow. On a 2-core Intel Xeon (AVX-512, AMX; fifteenth run), with the weights out of cache as in a step, MKL was
-the faster at one row (gate/up 352 against 379 us, down 157 against 216) and oneDNN at four or eight (gate/up 400
-against 567 us at four; the lm_head 4.6 ms at one row or four, MKL 5.1 and 9.3): packing everything made a plain
-step 50-53 ms against 43-46. MKL's cost jumps between three rows and four there (sixteenth run, all 30 layers'
-projections: 19.1, 20.5, 22.1, 34.3 ms at 1-4 rows; oneDNN 25.5-26.7 at 1-4), so a 3-row verify wants MKL and a
-4-row one oneDNN. So each layer shape is timed both ways once a process, at each row count the caller will run
-(`prepacked(rows=...)`: one row, the verify's rows, PACK_ROWS), and a PackedLinear calls whichever was faster for
-the rows it gets: a row count not timed goes the way of the next larger one that was.
+Whether the packed layout pays is the machine's, not the layer's. Those figures were an AMD EPYC's, where MKL is
+slow. On a 2-core Intel Xeon (AVX-512, AMX), with the weights out of cache as in a step, MKL was the faster at one
+row (gate/up 352 against 379 us, down 157 against 216) and oneDNN at four or eight (gate/up 400 against 567 us at
+four; the lm_head 4.6 ms at one row or four, MKL 5.1 and 9.3): packing everything made a plain step 50-53 ms against
+43-46 (benchmarks/results/2026-11-30-run15-one-vs-two-layers.md). MKL's cost jumps between three rows and four there
+(all 30 layers' projections: 19.1, 20.5, 22.1, 34.3 ms at 1-4 rows; oneDNN 25.5-26.7 at 1-4;
+benchmarks/results/2026-11-30-run16-recipe-long.md), so a 3-row verify wants MKL and a 4-row one oneDNN. So each
+layer shape is timed both ways once a process, at each row count the caller will run (`prepacked(rows=...)`: one
+row, the verify's rows, PACK_ROWS), and a PackedLinear calls whichever was faster for the rows it gets: a row count
+not timed goes the way of the next larger one that was.
 """
 
 from __future__ import annotations

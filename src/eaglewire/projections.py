@@ -3,7 +3,8 @@
 `bench --no-fuse-projections` to compare).
 
 A decode step of a small model on a GPU is bound by how many kernels it runs, not by its bytes
-(SmolLM2-135M on an H200: 1.48 ms of graph replay for 0.063 ms of weights; docs/PERFORMANCE.md).
+(SmolLM2-135M on an H200: 1.48 ms of graph replay for 0.063 ms of weights;
+benchmarks/results/2026-11-29-run03-one-replay-chain.md).
 Llama-style layers run q_proj, k_proj and v_proj one after another on the same hidden states, and
 gate_proj then up_proj: five matmuls a layer where two do. HF's forwards are left as they are:
 the first projection of a group computes the whole group in one matmul and keeps the result; the

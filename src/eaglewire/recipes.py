@@ -83,14 +83,14 @@ RECIPES: dict[str, Recipe] = {
     # batch until the cache's memory traffic dominates, so the batch is what buys throughput), then
     # online training with 16k-token micro-batches in bf16 until the budget says stop. The draft
     # vocabulary is EAGLE-3's 32000. lr 1e-3 and more epochs than the budget allows: the clock stops
-    # training and the cosine is moved to end there (train.py); on the H200 (2026-11-29, docs/PERFORMANCE.md)
-    # 3e-4 for 2 epochs reached acc@1 0.22, 1e-3 for 170 s reached 0.42 and was still rising.
+    # training and the cosine is moved to end there (train.py); on the H200 3e-4 for 2 epochs reached acc@1 0.22,
+    # 1e-3 for 170 s reached 0.42 and was still rising (benchmarks/results/2026-11-29-run01-first-full-recipe.md).
     "full": Recipe(name="full", device="cuda", mode="online", max_prompts=None, max_len=1024, budget_s=570,
                    reserve_s=30, gen=datagen.GenConfig(max_new_tokens=256, batch_size=2048, batch_tokens=1536 * 1024),
                    train=TrainConfig(epochs=20, batch_tokens=16384, lr=1e-3, min_lr_ratio=0.1, draft_vocab_size=32000,
                                      eval_fraction=0.02, log_every=25, ckpt_every=0, max_len=1024, num_workers=0)),
 }
-# Two H200s (2026-11-30, sixteenth run in docs/PERFORMANCE.md): 34,673 conversations answered in 200 s, then
+# Two H200s (benchmarks/results/2026-11-30-run16-recipe-long.md): 34,673 conversations answered in 200 s, then
 # 5,700 DDP steps at 178k tokens/s: held-out acc@1 0.760, MT-bench chain 7 3.34 and tree d10 k10 b63 5.07, as good as
 # eight runs and three GPU hours of fine-tuning had made before. On one GPU the replies take twice as long
 # and training sees under half the tokens.

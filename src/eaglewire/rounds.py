@@ -4,7 +4,7 @@ trees, greedy and sampled.
 A round that reads its verdict back leaves the GPU idle from that read-back until the next replay
 starts: the host must learn what was accepted before it can feed the next extend (on the H200, 0.29
 of a 2.0 ms chain-7 round and 0.51 of a 3.6 ms tree round were spent outside the replays;
-docs/PERFORMANCE.md). Here the verdict never leaves the device. A round is a few replays over fixed
+benchmarks/results/). Here the verdict never leaves the device. A round is a few replays over fixed
 buffers, shared between them:
 
   1. the draft's extend over `rows` rows (the last round's committed tokens and their taps; rows past
@@ -32,9 +32,10 @@ from .draft_runner import DraftRunner
 from .runners import TargetRunner
 from .tree import grown_nodes
 
-# Rounds a read-back on CUDA, the next batch queued before it. Batched without that overlap (twelfth run,
-# H200), a round still spent 0.24 (chain 7) and 0.30 ms (tree) outside its replays: the GPU waited while the
-# host took a batch in and launched the next. Overlapped, one a batch is enough, and wastes least after an EOS.
+# Rounds a read-back on CUDA, the next batch queued before it. Batched without that overlap, a round on an H200
+# still spent 0.24 (chain 7) and 0.30 ms (tree) outside its replays
+# (benchmarks/results/2026-11-30-run12-decoder-defaults.md): the GPU waited while the host took a batch in and
+# launched the next. Overlapped, one a batch is enough, and wastes least after an EOS.
 ROUNDS_AHEAD = 1
 
 

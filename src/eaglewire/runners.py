@@ -93,10 +93,10 @@ class SlotRunner:
         # dynamic=False: one graph per padded size; shapes never vary within one
         self.compiles = compile
         self._compiled = self._compile(self.autotune) if compile else None
-        # Only single-row forwards are autotuned. On the H200 (SmolLM2-135M, decode_steps.py, eighth run)
-        # inductor's choice made a 1-row step faster (1.235 -> 1.123 ms) and an 8-row verify slower
-        # (1.324 -> 1.660 ms); a prefill chunk runs once a prompt, not worth a minute of compilation.
-        # A wrapper of its own: dynamo recompiles for it.
+        # Only single-row forwards are autotuned. On the H200 (SmolLM2-135M, decode_steps.py) inductor's choice made a
+        # 1-row step faster (1.235 -> 1.123 ms) and an 8-row verify slower (1.324 -> 1.660 ms;
+        # benchmarks/results/2026-11-29-run08-autotune-plain-step.md); a prefill chunk runs once a prompt, not worth a
+        # minute of compilation. A wrapper of its own: dynamo recompiles for it.
         tunes = compile and self.autotune and device.type == "cuda"
         self._compiled_untuned = self._compile(False) if tunes else self._compiled
 
@@ -340,7 +340,8 @@ class TargetRunner(SlotRunner):
     or (logits,) alone when the contract is None (plain decoding captures no taps).
 
     Its compiled single-row forward (a plain decode step) autotunes its matmuls on CUDA: SmolLM2-135M on
-    the H200, a plain step 1.235 -> 1.123 ms, the same tokens (docs/PERFORMANCE.md), for about a minute
+    the H200, a plain step 1.235 -> 1.123 ms, the same tokens
+    (benchmarks/results/2026-11-29-run08-autotune-plain-step.md), for about a minute
     of compilation (inductor keeps the results on disk). Its verify and prefill sizes and the draft's
     functions are not autotuned (benchmarks/decode_steps.py --autotune times the choice)."""
 

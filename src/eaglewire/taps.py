@@ -5,9 +5,9 @@ Canonical definition, used everywhere inside eaglewire:
     tap k = the residual stream ENTERING decoder layer k, for k in 0..N (N decoder layers).
     tap 0 is the embedding output; tap N is the last layer's output BEFORE the final norm.
 
-Every engine and trainer numbers these states differently (see CONVENTIONS.md section 1). Each
-convention below is an exact two-way translation between taps and that convention's ids; a tap
-a convention cannot express raises TapError saying so, rather than silently shifting it.
+Every engine and trainer numbers these states differently (see docs/CONVENTIONS.md section 1).
+Each convention below is an exact two-way translation between taps and that convention's ids; a
+tap a convention cannot express raises TapError saying so, rather than silently shifting it.
 """
 
 from __future__ import annotations

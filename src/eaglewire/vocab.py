@@ -1,6 +1,6 @@
 """The draft vocabulary: which target tokens the draft's lm_head can predict.
 
-Two tables, the same in every engine (CONVENTIONS.md section 4):
+Two tables, the same in every engine (docs/CONVENTIONS.md section 4):
 - d2t (LongTensor[draft_vocab]): OFFSETS, target_id = draft_id + d2t[draft_id]
   (SGLang llama_eagle3.py `hot_token_id = d2t + arange`, vLLM `draft_id_to_target_id`);
 - t2d (BoolTensor[target_vocab]): True where the target token is in the draft vocabulary.

@@ -1,6 +1,6 @@
 """SERVE.md: the exact serve command for an exported draft and its taps in the engine's words.
 
-Engine arguments are chosen so the engine has nothing to rewrite (CONVENTIONS.md section 5):
+Engine arguments are chosen so the engine has nothing to rewrite (docs/CONVENTIONS.md section 5):
 SGLang forces --speculative-num-draft-tokens to --speculative-num-steps + 1 when
 --speculative-eagle-topk is 1 (server_args.py, with only a log warning), so that is what we write.
 """
