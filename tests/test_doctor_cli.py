@@ -77,3 +77,12 @@ def test_probe_through_a_target_directory_with_a_tokenizer(fixtures, capsys):
     codes = [f["code"] for f in rep["findings"]]
     assert "PROBE_WIRING" in codes and rep["probe"]["prompts"] == 3
     assert rep["probe"]["wirings"][0]["taps"] == [1, 3, 6]
+
+
+def test_the_documented_codes_are_the_codes():
+    """docs/DOCTOR.md's table of checks is CODES, word for word (the registry is the one home)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "DOCTOR.md").read_text()
+    for code, what in CODES.items():
+        assert f"| `{code}` | {what} |" in doc, code
