@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from .. import interop
 from ..errors import EaglewireError, UsageError
+from . import taps_checks
+from .context import Context, contract_ids_remedy, engine_name
 from . import engine_args as eargs
 from . import probe as probe_mod
 from . import probe_inputs as probe_data
@@ -108,7 +110,7 @@ def diagnose(draft, *, target=None, engine: str | None = None, engine_version: s
                                     "write the ids as a list of integers"))
     run = eargs.parse(engine, engine_args, target_arch=facts.architecture, draft_path=str(s.path),
                       draft_config=s.dd.config) if engine_args else None
-    ctx = static.Context(subject=s, target=facts, engine=engine, version=version, version_assumed=how, view=view,
+    ctx = Context(subject=s, target=facts, engine=engine, version=version, version_assumed=how, view=view,
                          run=run, engine_args=engine_args)
     findings += static.run_checks(ctx)
     context = _context(ctx, tf)
@@ -148,7 +150,7 @@ def _probe(ctx, tf, s, n, prompts, suite, steps, new_tokens, findings, progress)
         return {"skipped": "the draft could not be loaded"}
     v = ctx.view
     engine_taps = tuple(v.captured_taps) if v is not None and v.captured_taps else None
-    who = static.engine_name(ctx) if engine_taps else "eaglewire (the recorded taps)"
+    who = engine_name(ctx) if engine_taps else "eaglewire (the recorded taps)"
     if engine_taps is None and s.contract is None:
         return {"skipped": "neither the taps the engine will capture nor the taps the draft was trained on are "
                            "known: fix the ids first (see the findings above)"}
@@ -161,7 +163,7 @@ def _probe(ctx, tf, s, n, prompts, suite, steps, new_tokens, findings, progress)
                                 trained=s.contract.taps if s.contract else None, recorded=s.recorded,
                                 inputs=inputs, steps=steps,
                                 recorded_metrics=s.metrics, recorded_stats=s.tap_stats,
-                                change_for=lambda taps: static.contract_ids_remedy(ctx, taps), who=who,
+                                change_for=lambda taps: contract_ids_remedy(ctx, taps), who=who,
                                 pin_ids=not s.recorded and v is not None and v.ids is None,
                                 stated=_stated(ctx, s), progress=progress)
     verdict = next((f for f in new if f.code in ("PROBE_OK", "PROBE_WIRING")), None)
@@ -182,7 +184,7 @@ def _stated(ctx, s) -> tuple:
         out.append((f"as its {s.kind} convention reads its ids", s.contract.taps))
     v = ctx.view
     for where, ids in (v.ids_ignored.items() if v is not None else ()):
-        out += [(f"as {who} reads the ids under {where}", taps) for who, taps in static.stated_taps(ctx, where, ids)]
+        out += [(f"as {who} reads the ids under {where}", taps) for who, taps in taps_checks.stated_taps(ctx, where, ids)]
     return tuple(out)
 
 

@@ -7,19 +7,15 @@ only from eaglewire.taps (through the engine view and CONVENTIONS); this module 
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 
-from .. import interop
-from ..errors import EaglewireError, TapError
-from ..interop.common import IDS_KEY, NORM_FLAGS
-from ..taps import CONVENTIONS, TapContract
+from ..errors import EaglewireError
+from ..interop.common import NORM_FLAGS
 from ..vocab import t2d_from_d2t, validate_vocab
-from .engine_args import EngineRun, with_option, with_speculative_config
+from .context import Context, engine_name
+from .engine_args import with_option, with_speculative_config
 from .findings import Finding, Remedy, finding
-from .subject import Subject, TargetFacts
+from .taps_checks import check_taps
 
 # Norm flags whose absence engines read differently (docs/CONVENTIONS.md section 3).
 AMBIGUOUS_WHEN_ABSENT = {
@@ -29,72 +25,6 @@ AMBIGUOUS_WHEN_ABSENT = {
                    "different meanings",
 }
 _NOT_WEIGHTS = {"t2d"}  # skipped by design by SGLang and vLLM: never a dropped weight
-
-
-@dataclass
-class Context:
-    subject: Subject
-    target: TargetFacts | None  # loaded (--target) or from the draft's recorded fingerprint
-    engine: str | None
-    version: str | None  # the engine version the checks assume
-    version_assumed: str  # how that version was chosen, in words
-    view: interop.EngineView | None
-    run: EngineRun | None
-    engine_args: str | None
-
-    @property
-    def num_layers(self) -> int | None:
-        n = self.target.num_layers if self.target else None
-        if n is None and self.subject.contract is not None:
-            n = self.subject.contract.num_layers
-        return n
-
-    @property
-    def model_type(self) -> str | None:
-        return self.target.model_type if self.target else None
-
-    @property
-    def loaded(self) -> bool:
-        return bool(self.target and self.target.loaded)
-
-    @property
-    def convention(self) -> str | None:
-        if self.engine == "sglang":
-            return interop.sglang.convention_for(self.model_type, self.version)
-        return "vllm" if self.engine else None
-
-    @property
-    def ids_key(self) -> str:
-        return f"eagle_config.{IDS_KEY}" if self.engine == "sglang" else IDS_KEY
-
-    @property
-    def is_native(self) -> bool:
-        return self.subject.kind == "native"
-
-
-def engine_name(ctx: Context) -> str:
-    return f"SGLang {ctx.view.engine_version}" if ctx.engine == "sglang" and ctx.view else (
-        "vLLM" if ctx.engine == "vllm" else str(ctx.engine))
-
-
-def ids_for(ctx: Context, taps) -> tuple[list[int] | None, str | None]:
-    """Ids that make this engine capture `taps` -> (ids, None) or (None, why it cannot)."""
-    try:
-        return CONVENTIONS[ctx.convention].to_ids(tuple(taps), ctx.num_layers), None
-    except TapError as e:
-        return None, str(e)
-
-
-def raw_taps(convention: str, ids: list[int]) -> tuple[int, ...]:
-    """The taps a convention's rule maps ids to, before its range check (to tell out-of-range apart)."""
-    conv = CONVENTIONS[convention]
-    loose = dataclasses.replace(conv, lowest_tap=lambda n: -(1 << 30), highest_tap=lambda n: 1 << 30)
-    return loose.from_ids(ids, 1)
-
-
-def taps_remedy(ctx: Context, taps) -> Remedy | None:
-    ids, _ = ids_for(ctx, taps)
-    return Remedy(config_set={ctx.ids_key: ids}) if ids is not None else None
 
 
 # --- format -----------------------------------------------------------------------------------------
@@ -119,147 +49,6 @@ def check_format(ctx: Context) -> list[Finding]:
                                          ("eaglewire", "export", "--draft", native, "--format", e,
                                           "--out", f"{s.path}-{e}")), then_doctor=f"{s.path}-{e}"))]
     return []
-
-
-# --- taps --------------------------------------------------------------------------------------------
-
-def check_taps(ctx: Context) -> list[Finding]:
-    s, v, N = ctx.subject, ctx.view, ctx.num_layers
-    out = []
-    if s.contract is not None and not s.recorded:
-        what = (f"which taps it was trained on is {s.contract_from}" if s.contract_from.startswith("unknown")
-                else f"the draft's taps {list(s.contract.taps)} are {s.contract_from}")
-        out.append(finding("TAPS_UNVERIFIED", "warning", f"no tap record from eaglewire: {what}",
-                           f"measure which taps it reads (`{' '.join(_probe_command(ctx))}`), or import the draft "
-                           "with the --source it really came from"))
-    if s.contract is not None and N is not None and s.contract.num_layers != N:
-        return out  # TARGET_MISMATCH says it; every tap comparison would be noise
-    if v is None or not v.recognised:
-        return out
-    truth = s.contract.taps if s.contract else None
-    name, key = engine_name(ctx), ctx.ids_key
-    if N is None:  # nothing known of the target: only where the ids are can be checked
-        return out + (_missing(ctx, None, None) if v.ids is None else [])
-    if truth is not None:
-        want, why_not = ids_for(ctx, truth)
-        if want is None:
-            return out + [_unsupported(ctx, truth, why_not)]
-        if len(truth) != v.num_aux_expected:
-            out.append(finding("TAPS_UNSUPPORTED", "error",
-                               f"{name} builds the draft's fc for {v.num_aux_expected} taps; this draft reads "
-                               f"{len(truth)} taps {list(truth)}",
-                               "serve it with SGLang 0.5.12 or newer (fc width follows the ids): "
-                               "--engine-version 0.5.12" if ctx.engine == "sglang" else
-                               "retrain on 3 taps (vLLM's llama_eagle3.py fc is 3 taps wide)"))
-    if not s.recorded and v.ids is None:
-        truth = None  # what the engine reads says nothing of the trained taps: stated ids (if any) are the evidence
-    if truth is not None and ctx.engine == "vllm" and (0 in truth or N in truth):
-        out.append(finding("TAPS_UNSUPPORTED", "info", f"taps {list(truth)} include the embedding (0) or the last "
-                           f"layer's output ({N}): vLLM captures those only with EagleModelMixin (PR #36063; "
-                           "DeepSeek-family targets: PR #46973); older vLLM returns fewer hidden states",
-                           "serve it with a vLLM release that includes those pull requests"))
-    remedy = taps_remedy(ctx, truth) if truth is not None else None
-    if v.ids is None:
-        return out + _missing(ctx, truth, remedy)
-    raw = raw_taps(ctx.convention, v.ids)
-    if any(not 0 <= t <= N for t in raw):
-        out.append(finding("TAPS_OUT_OF_RANGE", "error",
-                           f"{key} = {v.ids} mean taps {list(raw)} to {name}, beyond the target's "
-                           f"{N} layers (taps 0..{N})", "write the ids in the engine's convention", remedy))
-    elif v.captured_taps is None:
-        out.append(finding("TAPS_UNSUPPORTED", "error", f"{name} cannot capture {key} = {v.ids}: "
-                           + "; ".join(p for p in v.problems if IDS_KEY in p), "write ids it can capture", remedy))
-    elif truth is not None and tuple(v.captured_taps) != truth:
-        meaning = CONVENTIONS[ctx.convention].meaning
-        out.append(finding("TAPS_SHIFTED", "error",
-                           f"{name} reads {key} = {v.ids} as taps {v.captured_taps} ({meaning}); the draft was "
-                           f"trained on taps {list(truth)} ({s.contract_from})",
-                           f"write the trained taps in {name}'s convention", remedy))
-    return out
-
-
-def _unsupported(ctx: Context, truth, why: str) -> Finding:
-    if ctx.engine == "sglang":
-        fix = ("serve it with vLLM, which captures every tap 0..N by id (vLLM with EagleModelMixin, PR #36063): "
-               "export the native checkpoint with --format vllm")
-    else:
-        fix = "retrain on taps this engine captures (`eaglewire taps --target T` lists each engine's range)"
-    return finding("TAPS_UNSUPPORTED", "error", f"{engine_name(ctx)} cannot capture the trained taps {list(truth)}: "
-                   f"{why}", fix)
-
-
-def _missing(ctx: Context, truth, remedy: Remedy | None) -> list[Finding]:
-    """The engine reads no ids and falls back to its default taps. Against a record that is right or wrong;
-    without one, ids written under a key the engine ignores state what was meant, and with no ids at all
-    nothing says which taps the draft was trained on."""
-    v, name, key = ctx.view, engine_name(ctx), ctx.ids_key
-    default = list(v.captured_taps) if v.captured_taps else None
-    fallback = f"{name} falls back to its default taps {default if default else '(2, N//2, N-3)'}"
-    quirk = " (read inside a bare `except:`, so nothing is logged)" if ctx.engine == "sglang" else ""
-    ignored = next(iter(v.ids_ignored.items()), None)
-    if truth is not None:
-        right = default is not None and tuple(default) == tuple(truth)
-        fallback += (", the trained taps, reached only through its default" if right
-                     else f", not the trained taps {list(truth)}")
-        sev = "warning" if right else "error"
-    elif ignored is not None:
-        return [_stated_elsewhere(ctx, *ignored, default, fallback)]
-    else:
-        sev = "warning"
-        fallback += ("; this checkpoint records no taps and states no ids, so which taps it was trained on is unknown "
-                     "(many public drafts rely on the default)")
-        remedy = Remedy(commands=(_probe_command(ctx),))
-    if ignored is not None:
-        where, ids = ignored
-        return [finding("TAPS_WRONG_PLACE", sev, f"layer ids {ids} are under {where}, which {name} never reads "
-                        f"(it reads only {key}): {fallback}", "put them where the engine reads them", remedy)]
-    fix = "write the ids explicitly" if truth is not None else "measure which taps it reads"
-    return [finding("TAPS_MISSING", sev, f"no {key} in config.json{quirk}: {fallback}", fix, remedy)]
-
-
-def _stated_elsewhere(ctx: Context, where: str, ids: list[int], default, fallback: str) -> Finding:
-    """No record: ids under a key this engine never reads still state which taps were meant, in the
-    convention of the engines that read that key."""
-    name, key = engine_name(ctx), ctx.ids_key
-    readings = stated_taps(ctx, where, ids)
-    said = " or ".join(f"taps {list(t)} as {who} reads them" for who, t in readings) or "no taps this target has"
-    agree = default is not None and any(tuple(t) == tuple(default) for _, t in readings)
-    msg = f"layer ids {ids} are under {where}, which {name} never reads (it reads only {key}); they state {said}"
-    one = {tuple(t) for _, t in readings}
-    remedy = taps_remedy(ctx, next(iter(one))) if len(one) == 1 else None
-    if agree:
-        return finding("TAPS_WRONG_PLACE", "warning", f"{msg}: {fallback}, the same taps, reached only through its "
-                       "default", "put them where the engine reads them", remedy)
-    return finding("TAPS_WRONG_PLACE", "error", f"{msg}, but {fallback}",
-                   "write the stated taps where the engine reads them" if remedy else
-                   "find out which convention wrote them, then write the ids where the engine reads them "
-                   f"(measure with `{' '.join(_probe_command(ctx))}`)", remedy)
-
-
-def stated_taps(ctx: Context, where: str, ids: list[int]) -> list[tuple[str, tuple[int, ...]]]:
-    """What ids under a key mean to the engines and trainers that write that key: the nested eagle_config
-    key is SGLang's and SpecForge's (docs/CONVENTIONS.md section 1), the top-level one vLLM's and
-    speculators'."""
-    N = ctx.num_layers
-    if where.startswith("eagle_config."):
-        convs = [("SGLang", interop.sglang.convention_for(ctx.model_type, ctx.version)), ("SpecForge", "specforge")]
-    else:
-        convs = [("vLLM", "vllm")]
-    out = []
-    for who, conv in convs:
-        try:
-            taps = tuple(CONVENTIONS[conv].from_ids(ids, N))
-        except TapError:
-            continue
-        if all(taps != t for _, t in out):
-            out.append((who, taps))
-    return out
-
-
-def _probe_command(ctx: Context) -> tuple[str, ...]:
-    target = ctx.target.spec if ctx.target is not None and ctx.target.spec else "TARGET"
-    return ("eaglewire", "doctor", "--draft", str(ctx.subject.path), "--target", target, "--engine",
-            str(ctx.engine), "--probe", "32")
 
 
 # --- fc ----------------------------------------------------------------------------------------------
@@ -598,19 +387,3 @@ def run_checks(ctx: Context) -> list[Finding]:
             ctx.view = None  # nothing else about this engine means anything until it can load the directory
     return findings
 
-
-def contract_ids_remedy(ctx: Context, taps) -> tuple[str, Remedy | None]:
-    """For the probe: the config change that makes the engine capture `taps` (and records them)."""
-    taps = tuple(taps)
-    if ctx.engine is None or ctx.view is None:
-        if ctx.is_native and ctx.num_layers:
-            c = TapContract(ctx.num_layers, tuple(sorted(taps)))
-            return "record the taps this draft reads", Remedy(config_set={"taps": c.to_dict()})
-        return "feed it these taps", None
-    ids, why = ids_for(ctx, taps)
-    if ids is None:
-        return f"{engine_name(ctx)} cannot be configured to capture them ({why})", None
-    sets = {ctx.ids_key: ids}
-    if ctx.subject.provenance is not None and ctx.subject.contract and tuple(ctx.subject.contract.taps) != taps:
-        sets["eaglewire.taps"] = TapContract(ctx.num_layers, taps).to_dict()  # the record was wrong too
-    return f"make {engine_name(ctx)} capture them", Remedy(config_set=sets)
