@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 
 from .. import interop
 from ..errors import EaglewireError, UsageError
-from . import taps_checks
-from .context import Context, contract_ids_remedy, engine_name
 from . import engine_args as eargs
 from . import probe as probe_mod
 from . import probe_inputs as probe_data
-from . import static
+from . import static, taps_checks
+from .context import Context, contract_ids_remedy, engine_name
 from .findings import CODES, SEVERITIES, Finding, finding
 from .subject import TargetFacts, load_subject, load_target
 
@@ -111,32 +110,13 @@ def diagnose(draft, *, target=None, engine: str | None = None, engine_version: s
     run = eargs.parse(engine, engine_args, target_arch=facts.architecture, draft_path=str(s.path),
                       draft_config=s.dd.config) if engine_args else None
     ctx = Context(subject=s, target=facts, engine=engine, version=version, version_assumed=how, view=view,
-                         run=run, engine_args=engine_args)
+                  run=run, engine_args=engine_args)
     findings += static.run_checks(ctx)
     context = _context(ctx, tf)
     record = None
     if probe:
         record = _probe(ctx, tf, s, probe, prompts, suite, probe_steps, probe_tokens, findings, progress)
     return Report(findings=findings, probe=record, context=context)
-
-
-def probe_inputs(target, n: int, prompts: str | None, suite: str | None, new_tokens: int) -> probe_data.Sequences:
-    """The probe's sequences: --prompts FILE (written replies as they are), --suite NAME|FILE, or the built-in
-    prompts; the target continues every bare prompt itself."""
-    if prompts:
-        from ..prompts import load_conversations
-
-        ps = load_conversations(prompts, need_assistant=False)
-        return probe_data.sequences(target, n, ps.conversations, f"--prompts {prompts}", new_tokens)
-    if suite:
-        from ..suites import load_suite
-
-        sp = load_suite(suite)
-        convs = probe_data.distinct(sp.conversations)
-        if n < len(convs):  # evenly spaced, as bench picks them: a suite lists its prompts by category
-            convs = [convs[(2 * i + 1) * len(convs) // (2 * n)] for i in range(n)]
-        return probe_data.sequences(target, n, convs, f"--suite {sp.name}", new_tokens)
-    return probe_data.sequences(target, n, None, "the built-in prompts", new_tokens)
 
 
 # Static findings about the taps that only a measurement can settle: the probe's verdict replaces them.
@@ -155,7 +135,7 @@ def _probe(ctx, tf, s, n, prompts, suite, steps, new_tokens, findings, progress)
         return {"skipped": "neither the taps the engine will capture nor the taps the draft was trained on are "
                            "known: fix the ids first (see the findings above)"}
     t0 = time.perf_counter()
-    inputs = probe_inputs(tf.loaded, n, prompts, suite, new_tokens)
+    inputs = probe_data.chosen(tf.loaded, n, prompts, suite, new_tokens)
     if progress:
         print(f"eaglewire doctor: probe: {len(inputs.seqs)} sequence(s) from {inputs.source} in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -91,6 +91,23 @@ def sequences(target, n: int, convs: list[list[dict]] | None = None, source: str
     return out
 
 
+def chosen(target, n: int, prompts: str | None = None, suite: str | None = None, new_tokens: int = 128) -> Sequences:
+    """The probe's sequences as the command line asks: --prompts FILE (written replies measured as they are),
+    --suite NAME|FILE (its first turns, evenly spaced for a named suite as `bench` takes them), or the
+    built-in prompts; the target continues every bare prompt itself."""
+    if prompts:
+        from ..prompts import load_conversations
+
+        convs = load_conversations(prompts, need_assistant=False).conversations
+        return sequences(target, n, convs, f"--prompts {prompts}", new_tokens)
+    if suite:
+        from ..suites import SUITES, load_suite
+
+        sp = load_suite(suite, n if suite in SUITES else None)  # a FILE: its first n distinct prompts, below
+        return sequences(target, n, sp.conversations, f"--suite {sp.name}", new_tokens)
+    return sequences(target, n, None, "the built-in prompts", new_tokens)
+
+
 def _encode_prompt(tok, messages: list[dict]) -> torch.Tensor:
     from ..chat import render
 
