@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "export": "eaglewire.interop.cli",
     "import": "eaglewire.interop.cli",
     "doctor": "eaglewire.doctor",
+    "serve-check": "eaglewire.engines.serve_check",
     "demo": "eaglewire.demo",
     "recipe": "eaglewire.recipes",
 }

@@ -1,0 +1,188 @@
+"""The real vLLM, at its one boundary: a job (what to serve, on which conversations) in, what vLLM did out.
+
+`run_job(job)` is the boundary: it runs the job in a Python process of its own
+(`python -m eaglewire.engines.vllm JOB.json OUT.json`) and returns the worker's JSON. A process per job
+because vLLM keeps its metrics in one process-wide registry that a new `LLM` resets, and gives its GPU
+memory back only when the process ends. Nothing else in eaglewire imports vllm; CPU tests replace
+`run_job` and check the pure readers below on objects shaped like vLLM's.
+
+Facts this relies on (vLLM 0.26.0, docs/CONVENTIONS.md section 5):
+- `LLM(disable_log_stats=False)`, else `get_metrics()` asserts; the counters `vllm:spec_decode_num_drafts`
+  (verification steps, summed over requests), `..._num_draft_tokens`, `..._num_accepted_tokens` and the
+  vector `..._num_accepted_tokens_per_pos` are cumulative: a prompt's are the difference around its call
+  (v1/spec_decode/metrics.py, v1/metrics/reader.py). Acceptance length = 1 + accepted / drafts.
+- The draft's taps come from the top-level `eagle_aux_hidden_state_layer_ids` of its config.json, logged as
+  "Using Eagle3 auxiliary layers from config: (...)" (or "... from model: (...)" for the default
+  (2, N//2, N-3)) by v1/worker/gpu/spec_decode/eagle/eagle3_utils.py.
+- `LLM.chat` applies the tokenizer's chat template with the generation prompt; outputs come back in input
+  order; `outputs[0].token_ids` are the new tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import EaglewireError, UsageError
+
+EXTRA = "pip install 'eaglewire[vllm]'"  # vLLM 0.26.0: the last release that pins torch 2.11
+SPEC = "vllm:spec_decode_"
+# vLLM's own log line naming the taps it will capture (eagle3_utils.py); "model" means its default
+AUX_LINE = re.compile(r"Using Eagle3 auxiliary layers from (config|model): \(([\d,\s]*)\)")
+ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0",  # FlashInfer's sampler is not always installed; vLLM's own is exact
+       "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: its log and its metrics are the job's
+       "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One engine run: the target (a Hugging Face model directory), the draft directory or None, greedy chat."""
+
+    target: str
+    draft: str | None
+    conversations: list
+    max_new_tokens: int
+    num_speculative_tokens: int = 7
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = False  # CUDA graphs, as served; True starts in half the time (acceptance only)
+    logprobs: int = 0  # top-k logprobs of every new token (2: the gap that tells a near-tie)
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1 or self.num_speculative_tokens < 1:
+            raise UsageError(f"engine job: max_new_tokens {self.max_new_tokens} and num_speculative_tokens "
+                             f"{self.num_speculative_tokens} must be >= 1")
+
+
+def available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require() -> None:
+    if not available():
+        raise UsageError(f"this command runs the real vLLM, which is not installed: {EXTRA}")
+
+
+def run_job(job: Job, log_path: Path | None = None) -> dict:
+    """Run `job` in its own process; -> the worker's result (see `serve`) plus `log_tail` and `aux_layers`."""
+    require()
+    with tempfile.TemporaryDirectory(prefix="eaglewire-vllm-") as tmp:
+        jf, of = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        jf.write_text(json.dumps(asdict(job)))
+        log = Path(log_path) if log_path else Path(tmp) / "vllm.log"
+        with open(log, "w") as f:
+            r = subprocess.run([sys.executable, "-m", "eaglewire.engines.vllm", str(jf), str(of)],
+                               env={**os.environ, **ENV}, stdout=f, stderr=subprocess.STDOUT)
+        text = log.read_text(errors="replace")
+        if r.returncode != 0 or not of.is_file():
+            last = [ln for ln in text.splitlines() if ln.strip()][-1:] or ["no output"]
+            raise EaglewireError(f"vLLM exited with {r.returncode} serving {job.draft or job.target}: {last[0][:300]}"
+                                 + (f" (log: {log_path})" if log_path else ""))
+        out = json.loads(of.read_text())
+    out["aux_layers"] = aux_layers(text)
+    out["log_tail"] = text.splitlines()[-20:]
+    return out
+
+
+# --- readers of vLLM's objects (pure, tested on the CPU) ------------------------------------------------
+
+def read_counters(metrics) -> dict:
+    """vLLM's speculative-decoding counters from `LLM.get_metrics()` (Counter: .value, Vector: .values), summed
+    over label sets (one per engine)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+    names = {SPEC + "num_drafts": "drafts", SPEC + "num_draft_tokens": "draft_tokens",
+             SPEC + "num_accepted_tokens": "accepted"}
+    for m in metrics:
+        name = getattr(m, "name", "")
+        if name in names:
+            out[names[name]] += int(m.value)
+        elif name == SPEC + "num_accepted_tokens_per_pos":
+            vals, acc = [int(v) for v in m.values], out["accepted_per_pos"]
+            n = max(len(vals), len(acc))
+            out["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * (n - len(acc)), vals + [0] * (n - len(vals)))]
+    return out
+
+
+def minus(after: dict, before: dict) -> dict:
+    """One call's counters: the cumulative counters after it less those before."""
+    pos_b = before["accepted_per_pos"] + [0] * max(0, len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    return {k: (after[k] - before[k]) if k != "accepted_per_pos" else
+            [a - b for a, b in zip(after[k], pos_b)] for k in after}
+
+
+def top2_gaps(logprobs) -> list[float | None]:
+    """Per new token: the log-probability gap between the engine's two most likely tokens (None: not asked).
+    `logprobs` is CompletionOutput.logprobs: one {token_id: Logprob(logprob, rank, ...)} per token."""
+    if logprobs is None:
+        return []
+    gaps = []
+    for pos in logprobs:
+        lps = sorted((lp.logprob for lp in pos.values()), reverse=True)
+        gaps.append(lps[0] - lps[1] if len(lps) > 1 else None)
+    return gaps
+
+
+def aux_layers(log: str) -> dict | None:
+    """The taps vLLM said it captures: {"from": "config"|"model", "ids": [...]} from its last such log line."""
+    found = AUX_LINE.findall(log)
+    if not found:
+        return None
+    src, ids = found[-1]
+    return {"from": src, "ids": [int(x) for x in ids.replace(" ", "").split(",") if x]}
+
+
+# --- the worker (runs inside the job's own process) ---------------------------------------------------
+
+def serve(job: Job) -> dict:
+    """Greedy chat on each conversation in turn (batch 1), a warm-up first; per prompt the new token ids,
+    the prompt's length, the wall time, the speculative counters and, if asked, the top-2 logprob gaps."""
+    import vllm
+
+    spec = None
+    if job.draft is not None:
+        spec = {"method": "eagle3", "model": job.draft, "num_speculative_tokens": job.num_speculative_tokens}
+    llm = vllm.LLM(model=job.target, tokenizer=job.target, dtype=job.dtype, max_model_len=job.max_model_len,
+                   gpu_memory_utilization=job.gpu_memory_utilization, enforce_eager=job.enforce_eager,
+                   disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=1, seed=0,
+                   tensor_parallel_size=job.tensor_parallel_size, speculative_config=spec)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=job.max_new_tokens,
+                                 logprobs=job.logprobs or None)
+    llm.chat(job.conversations[:1], params, use_tqdm=False)  # warm-up: kernels, graphs, allocator
+    prompts = []
+    for conv in job.conversations:
+        before = read_counters(llm.get_metrics())
+        t0 = time.perf_counter()
+        out = llm.chat([conv], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - t0
+        c = out.outputs[0]
+        prompts.append({"prompt_tokens": len(out.prompt_token_ids), "tokens": list(c.token_ids),
+                        "seconds": seconds, "counters": minus(read_counters(llm.get_metrics()), before),
+                        "gaps": top2_gaps(c.logprobs) if job.logprobs else None})
+    return {"vllm_version": vllm.__version__, "prompts": prompts}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m eaglewire.engines.vllm JOB.json OUT.json", file=sys.stderr)
+        return 2
+    job = Job(**json.loads(Path(argv[0]).read_text()))
+    result = serve(job)
+    tmp = Path(argv[1]).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""serve-check on the CPU: the real vLLM replaced at its one boundary (engines.vllm.run_job) by an engine that
+serves the directory it is given with eaglewire's own decoder, reading the tap ids as vLLM does (top level,
+id j = tap j). Everything else is real: export, import, the tiny chat target, the suite file, the comparison.
+vLLM's own objects are faked only where their readers are checked (counters, logprobs, the log line)."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eaglewire import bench, checkpoint, interop
+from eaglewire.cli import main as cli_main
+from eaglewire.engines import serve_check as sc
+from eaglewire.engines import vllm as engine
+from eaglewire.suites import encode_prompt
+from eaglewire.taps import TapContract
+
+import doctor_fixtures as fx
+from chat_target import char_tokenizer
+from decoding import fit, new_draft
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TAPS = (2, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A chat target whose per-token layers make each tap a different function of the token (doctor_fixtures),
+    a draft fitted to read taps [2, 4, 5] of it, and a four-prompt suite file."""
+    d = tmp_path_factory.mktemp("serve")
+    model = fx.probe_target()
+    model.save_pretrained(d / "target")
+    char_tokenizer().save_pretrained(d / "target")
+    target = fx.as_target(model)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 128, (48,), generator=g) for _ in range(16)]
+    draft = fit(new_draft(model, TapContract(8, TAPS)), model, TapContract(8, TAPS), seqs, steps=300)
+    checkpoint.save_draft(draft, d / "ck", contract=TapContract(8, TAPS), target_fingerprint=target.fingerprint)
+    (d / "suite.txt").write_text("say hello\nname three colours\ncount to five\nspell water\n")
+    return d
+
+
+class FakeVllm:
+    """run_job's stand-in: greedy, batch 1, the served directory read as vLLM reads it, our decoder doing the
+    work. `lose` takes that many accepted tokens off every verification step that accepted some."""
+
+    def __init__(self, world, lose: int = 0, flip: dict | None = None):
+        self.world, self.lose, self.flip, self.jobs = world, lose, flip or {}, []
+
+    def __call__(self, job, log_path=None):
+        self.jobs.append(job)
+        w = self.world
+        cfg = bench.BenchConfig(suite=str(w / "suite.txt"), max_new_tokens=job.max_new_tokens,
+                                chain=job.num_speculative_tokens, hf=False, device="cpu", warmup=False)
+        ids = None
+        if job.draft is None:
+            native = w / "ck"
+        else:  # vLLM reads the top-level ids, id j = tap j
+            ids = json.loads((Path(job.draft) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+            native = w / f"as-served-{'-'.join(map(str, ids))}"
+            if not native.exists():
+                interop.import_draft(job.draft, native, target=str(w / "target"))
+        _, _, _, t, draft, meta, _, eos = bench.prepare(str(w / "target"), str(native), cfg)
+        prompts = [encode_prompt(t.tokenizer, c) for c in job.conversations]
+        _, run, _ = bench.decoder_runner(t, draft, meta, cfg, torch.device("cpu"), eos, speculate=job.draft is not None)
+        out = []
+        for i, p in enumerate(prompts):
+            gen = run(p, job.max_new_tokens)
+            acc = [max(0, a - self.lose) if a else 0 for a in (gen.accepted or [])]
+            tokens = list(gen.tokens)
+            if job.draft is not None and i in self.flip:
+                tokens[self.flip[i][0]] = (tokens[self.flip[i][0]] + 1) % 128
+            out.append({"prompt_tokens": int(p.shape[1]), "tokens": tokens, "seconds": gen.wall_s,
+                        "counters": {"drafts": len(acc), "draft_tokens": len(acc) * job.num_speculative_tokens,
+                                     "accepted": sum(acc),
+                                     "accepted_per_pos": [sum(a > k for a in acc) for k in range(job.num_speculative_tokens)]},
+                        "gaps": [self.flip.get(i, (0, 5.0))[1]] * len(tokens) if job.logprobs else None})
+        return {"vllm_version": "fake", "prompts": out,
+                "aux_layers": {"from": "config", "ids": ids} if ids is not None else None, "log_tail": []}
+
+
+def _check(world, monkeypatch, fake, **kw):
+    import tempfile
+
+    monkeypatch.setattr(engine, "run_job", fake)
+    monkeypatch.setattr(engine, "require", lambda: None)
+    return sc.serve_check(world / "ck", str(world / "target"), suite=str(world / "suite.txt"), max_prompts=4,
+                          max_new_tokens=24, chain=4, device="cpu", log=lambda m: None,
+                          work=tempfile.mkdtemp(dir=world), **kw)
+
+
+def test_a_faithful_engine_agrees_and_its_greedy_tokens_are_the_targets(world, monkeypatch):
+    fake = FakeVllm(world)
+    r = _check(world, monkeypatch, fake)
+    assert r["ok"], sc.render(r)
+    assert r["ours"]["acceptance_length"] == pytest.approx(r["vllm"]["acceptance_length"])
+    assert r["ours"]["acceptance_length"] > 1.2  # the draft accepts: a comparison with something in it
+    assert r["greedy"]["identical"] == 4 and r["engine_aux_layers"]["ids"] == list(TAPS)
+    served = Path(fake.jobs[1].draft)  # exported to vLLM's format, ids in its convention
+    assert served.name == "vllm" and json.loads((served / "config.json").read_text())[
+        "eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert [j.logprobs for j in fake.jobs] == [2, 0]  # the run without the draft tells near-ties apart
+    assert [len(j.conversations) for j in fake.jobs] == [4, 4]
+    assert "within the tolerance of 5%" in sc.render(r)
+
+
+def test_an_engine_that_accepts_less_fails_the_check(world, monkeypatch, tmp_path):
+    r = _check(world, monkeypatch, FakeVllm(world, lose=1))
+    assert not r["ok"] and not r["agreement"]["agree"] and r["agreement"]["relative"] > 0.05
+    assert "BEYOND the tolerance" in sc.render(r)
+
+
+def test_greedy_tokens_that_change_with_the_draft_fail_unless_at_a_near_tie(world, monkeypatch):
+    r = _check(world, monkeypatch, FakeVllm(world, flip={1: (3, 2.5)}))
+    assert not r["greedy"]["ok"] and r["greedy"]["mismatches"] == [{"prompt": 1, "position": 3, "top2_gap": 2.5}]
+    assert not r["ok"]
+    r = _check(world, monkeypatch, FakeVllm(world, flip={1: (3, 0.01)}))
+    assert r["greedy"]["ok"] and len(r["greedy"]["near_ties"]) == 1 and r["ok"]
+
+
+def test_wirings_serve_the_same_weights_with_other_ids(world, monkeypatch):
+    fake = FakeVllm(world)
+    r = _check(world, monkeypatch, fake, with_wirings=True)
+    got = {w["label"]: w for w in r["wirings"]}
+    assert set(got) == {"every tap -1", "every tap +1", "embedding in place of tap 2"}
+    assert got["every tap +1"]["taps"] == [3, 5, 6] and got["every tap +1"]["aux_layers"]["ids"] == [3, 5, 6]
+    # the draft was fitted to [2, 4, 5]: the engine accepts less with the ids one layer off
+    assert got["every tap +1"]["acceptance_length"] < r["vllm"]["acceptance_length"]
+    assert all(j.enforce_eager for j in fake.jobs[2:])
+
+
+def test_an_engine_export_is_served_as_it_is(world, monkeypatch, tmp_path):
+    out = tmp_path / "export"
+    interop.export_draft(world / "ck", "vllm", out)
+    fake = FakeVllm(world)
+    monkeypatch.setattr(engine, "run_job", fake)
+    monkeypatch.setattr(engine, "require", lambda: None)
+    r = sc.serve_check(out, str(world / "target"), suite=str(world / "suite.txt"), max_prompts=4, max_new_tokens=16,
+                       chain=3, device="cpu", log=lambda m: None)
+    assert r["draft"]["how"] == "served as it is" and fake.jobs[1].draft == str(out) and r["ok"]
+
+
+def test_without_vllm_the_command_names_the_extra(world, capsys):
+    if engine.available():
+        pytest.skip("vLLM is installed here")
+    code = cli_main(["serve-check", "--draft", str(world / "ck"), "--target", str(world / "target")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "pip install 'eaglewire[vllm]'" in err[0]
+
+
+# --- readers of vLLM's objects (vllm/v1/metrics/reader.py, vllm/outputs.py, eagle3_utils.py) --------------
+
+def test_counters_are_read_summed_over_engines_and_differenced_per_call():
+    C = lambda name, v: SimpleNamespace(name=name, value=v)  # noqa: E731
+    V = lambda v: SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=v)  # noqa: E731
+    before = engine.read_counters([C("vllm:spec_decode_num_drafts", 10), C("vllm:spec_decode_num_accepted_tokens", 12),
+                                   C("vllm:spec_decode_num_draft_tokens", 70), V([6, 4, 2]),
+                                   C("vllm:prompt_tokens", 999)])
+    after = engine.read_counters([C("vllm:spec_decode_num_drafts", 15), C("vllm:spec_decode_num_drafts", 1),
+                                  C("vllm:spec_decode_num_accepted_tokens", 20),
+                                  C("vllm:spec_decode_num_draft_tokens", 112), V([9, 7, 3]), V([1, 0, 0])])
+    assert before == {"drafts": 10, "draft_tokens": 70, "accepted": 12, "accepted_per_pos": [6, 4, 2]}
+    assert engine.minus(after, before) == {"drafts": 6, "draft_tokens": 42, "accepted": 8,
+                                           "accepted_per_pos": [4, 3, 1]}
+    assert sc.counts([{"drafts": 6, "accepted": 8, "accepted_per_pos": [4, 3, 1]}], 3)["acceptance_length"] == \
+        pytest.approx(1 + 8 / 6)
+
+
+def test_top2_gaps_and_the_aux_layer_log_line():
+    L = lambda lp: SimpleNamespace(logprob=lp)  # noqa: E731
+    assert engine.top2_gaps([{5: L(-0.1), 7: L(-2.6)}, {3: L(-0.5)}]) == [pytest.approx(2.5), None]
+    log = ("INFO 12-01 [eagle3_utils.py:40] Using Eagle3 auxiliary layers from model: (2, 15, 27)\n"
+           "INFO ... Using Eagle3 auxiliary layers from config: (3, 16, 28)\n")
+    assert engine.aux_layers(log) == {"from": "config", "ids": [3, 16, 28]}
+    assert engine.aux_layers("nothing here") is None
+
+
+def test_with_taps_rewrites_only_the_ids_and_links_the_weights(world, tmp_path):
+    src = tmp_path / "src"
+    interop.export_draft(world / "ck", "vllm", src)
+    out = sc.with_taps(src, (3, 5, 6), 8, tmp_path / "w")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6] and "eaglewire" not in cfg
+    assert (out / "model.safetensors").is_symlink()
+    assert interop.read_engine_view(out, "vllm", num_layers=8).captured_taps == [3, 5, 6]
