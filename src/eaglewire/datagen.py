@@ -456,9 +456,17 @@ def cmd_datagen(args) -> int:
                    overlong=args.overlong, batch_size=args.batch_size, dtype=args.dtype, shard_size=args.shard_size)
     DatagenConfig(**options)  # refuse bad arguments before loading the target
     contract = TapContract.parse(_target_config(args.target).num_hidden_layers, args.taps)
-    dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.target_dtype]
-    target = targets.load_target(args.target, dtype=dtype, device=args.device)
-    m = run_datagen(target, paths, args.out, contract, **options)
+    if args.engine == "vllm":  # vLLM runs the target, across --tensor-parallel-size GPUs
+        from .engines.vllm_datagen import run_vllm_datagen
+
+        m = run_vllm_datagen(args.target, paths, args.out, contract, tensor_parallel_size=args.tensor_parallel_size,
+                             **options)
+    else:
+        if args.tensor_parallel_size != 1:
+            raise UsageError("--tensor-parallel-size runs with --engine vllm (the hooks capture runs one device)")
+        dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.target_dtype]
+        target = targets.load_target(args.target, dtype=dtype, device=args.device)
+        m = run_datagen(target, paths, args.out, contract, **options)
     c = m["counts"]
     skipped = ", ".join(f"{n} {r}" for r, n in sorted(c["skipped"].items(), key=lambda rn: -rn[1])) or "none"
     print(f"{args.out}: {c['samples']} samples, {c['tokens']} tokens ({c['assistant_tokens']} assistant) in "
@@ -505,6 +513,11 @@ def register(sub) -> None:
     p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="dtype the target runs in (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--engine", choices=["hooks", "vllm"], default="hooks",
+                   help="what runs the target and captures its taps: hooks (default) on one device in this process, "
+                        "or the real vLLM (its extract_hidden_states method; pip install 'eaglewire[vllm]'), for "
+                        "targets past one GPU")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs vLLM spreads the target over")
     g = p.add_argument_group("regeneration (--regen)")
     g.add_argument("--max-new-tokens", type=int, default=512, help="per reply (default 512)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -216,8 +216,9 @@ def tokenizer_hashes(tok) -> dict:
             "chat_template_hash": hashlib.sha256(tmpl.encode()).hexdigest()[:16] if tmpl else None}
 
 
-def fingerprint(model: torch.nn.Module, tok=None) -> dict:
-    """What identifies a target: draft and data built for one must not be used with another."""
+def fingerprint(model: torch.nn.Module, tok=None, weights: str | None = None) -> dict:
+    """What identifies a target: draft and data built for one must not be used with another. `weights`: the
+    weights hash when the model's tensors are not in memory (engines/host.py reads it from the files)."""
     cfg = text_config(model.config)
     return {
         "architecture": type(model).__name__,
@@ -225,7 +226,7 @@ def fingerprint(model: torch.nn.Module, tok=None) -> dict:
         "num_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
-        "weights_hash": weights_hash(model),
+        "weights_hash": weights or weights_hash(model),
         **tokenizer_hashes(tok),
     }
 

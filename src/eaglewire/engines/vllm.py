@@ -64,6 +64,47 @@ class Job:
                              f"{self.num_speculative_tokens} must be >= 1")
 
 
+@dataclass(frozen=True, kw_only=True)
+class RegenJob:
+    """The target writes every assistant turn of the conversations itself, turn by turn (datagen --regen)."""
+
+    target: str
+    conversations: list  # the user turns (and an optional system message) of each conversation
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    max_len: int = 2048  # a prompt that fills this ends its conversation, as datagen.regenerate does
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.8
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureJob:
+    """The target's residual stream at `layer_ids` (vLLM's ids: id j = tap j, id N = the last layer's output
+    before the final norm) for every token of each sequence, one file a chunk of sequences in `out_dir`
+    (`chunk-00000.safetensors`: "hidden" (sum T, len(ids), H), "offsets" (len + 1,)); a file already there is
+    kept."""
+
+    target: str
+    chunks: list  # lists of sequences of token ids
+    layer_ids: list
+    out_dir: str
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.8
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self):
+        if list(self.layer_ids) != sorted(set(self.layer_ids)):
+            # vLLM concatenates the layers it captures in layer order, whatever order the ids are listed in
+            raise ValueError(f"layer ids must be distinct and ascending, got {self.layer_ids}")
+
+
+KINDS = {"serve": Job, "regen": RegenJob, "capture": CaptureJob}
+
+
 def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -73,16 +114,21 @@ def require() -> None:
         raise UsageError(f"this command runs the real vLLM, which is not installed: {EXTRA}")
 
 
-def run_job(job: Job, log_path: Path | None = None) -> dict:
-    """Run `job` in its own process; -> the worker's result (see `serve`) plus `log_tail` and `aux_layers`."""
+def run_job(job, log_path: Path | None = None) -> dict:
+    """Run `job` (a Job, RegenJob or CaptureJob) in its own process; -> the worker's result plus `log_tail` and
+    `aux_layers`."""
     require()
+    kind = next(k for k, cls in KINDS.items() if isinstance(job, cls))
+    # Capture keeps vLLM's engine process: a finished request's hidden states are written on the engine's next
+    # step, which an in-process engine never takes after the last request (example_hidden_states_connector.py).
+    env = {**os.environ, **ENV, **({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if kind == "capture" else {})}
     with tempfile.TemporaryDirectory(prefix="eaglewire-vllm-") as tmp:
         jf, of = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        jf.write_text(json.dumps(asdict(job)))
+        jf.write_text(json.dumps({"kind": kind, **asdict(job)}))
         log = Path(log_path) if log_path else Path(tmp) / "vllm.log"
         with open(log, "w") as f:
             r = subprocess.run([sys.executable, "-m", "eaglewire.engines.vllm", str(jf), str(of)],
-                               env={**os.environ, **ENV}, stdout=f, stderr=subprocess.STDOUT)
+                               env=env, stdout=f, stderr=subprocess.STDOUT)
         text = log.read_text(errors="replace")
         if r.returncode != 0 or not of.is_file():
             last = [ln for ln in text.splitlines() if ln.strip()][-1:] or ["no output"]
@@ -171,13 +217,91 @@ def serve(job: Job) -> dict:
     return {"vllm_version": vllm.__version__, "prompts": prompts}
 
 
+def regenerate(job: RegenJob) -> dict:
+    """Every conversation with its assistant turns written by the target, turn by turn as datagen.regenerate
+    does (turn t of all conversations in one batch, after the target's own replies to turns < t)."""
+    import vllm
+
+    llm = vllm.LLM(model=job.target, tokenizer=job.target, dtype=job.dtype, max_model_len=job.max_len,
+                   gpu_memory_utilization=job.gpu_memory_utilization, seed=job.seed,
+                   tensor_parallel_size=job.tensor_parallel_size)
+    tok = llm.get_tokenizer()
+    params = vllm.SamplingParams(temperature=job.temperature, top_p=job.top_p, max_tokens=job.max_new_tokens,
+                                 seed=job.seed if job.temperature > 0 else None)
+    users = [[m for m in c if m["role"] == "user"] for c in job.conversations]
+    out = [[m for m in c if m["role"] == "system"] for c in job.conversations]
+    live = set(range(len(users)))  # conversations still being extended
+    for t in range(max((len(u) for u in users), default=0)):
+        todo = []
+        for k in sorted(live):
+            if t >= len(users[k]):
+                live.discard(k)
+                continue
+            msgs = out[k] + [users[k][t]]
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            if len(tok(text, add_special_tokens=False)["input_ids"]) >= job.max_len:  # no room for a reply
+                live.discard(k)
+                continue
+            todo.append((k, msgs))
+        for (k, msgs), o in zip(todo, llm.chat([m for _, m in todo], params, use_tqdm=False)):
+            out[k] = msgs + [{"role": "assistant", "content": o.outputs[0].text.strip()}]
+    return {"vllm_version": vllm.__version__, "conversations": out}
+
+
+def capture(job: CaptureJob) -> dict:
+    """Hidden states through vLLM's `extract_hidden_states` method and ExampleHiddenStatesConnector: one prefill
+    of each whole sequence (max_tokens=1), its file read back and checked against the sequence's tokens."""
+    import vllm
+    from safetensors.torch import save_file
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states, load_hidden_states)
+    from vllm.inputs import TokensPrompt
+
+    import torch
+
+    out_dir = Path(job.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="eaglewire-hidden-", dir=out_dir) as store:
+        llm = vllm.LLM(model=job.target, tokenizer=job.target, dtype=job.dtype, max_model_len=job.max_model_len,
+                       gpu_memory_utilization=job.gpu_memory_utilization, enable_prefix_caching=False,
+                       tensor_parallel_size=job.tensor_parallel_size,
+                       speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                           "draft_model_config": {"hf_config": {
+                                               "eagle_aux_hidden_state_layer_ids": list(job.layer_ids)}}},
+                       kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                           "kv_connector_extra_config": {"shared_storage_path": store}})
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=1)
+        files = []
+        for k, seqs in enumerate(job.chunks):
+            path = out_dir / f"chunk-{k:05d}.safetensors"
+            files.append(path.name if seqs else None)
+            if path.exists() or not seqs:
+                continue
+            outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+            states = []
+            for seq, o in zip(seqs, outs):
+                where = o.kv_transfer_params["hidden_states_path"]
+                got = load_hidden_states(where)
+                if got["token_ids"].tolist() != list(seq):
+                    raise RuntimeError(f"vLLM returned hidden states of other tokens than a sequence of chunk {k}")
+                states.append(got["hidden_states"])
+                cleanup_hidden_states(where)
+            offsets = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+            tmp = path.with_suffix(".tmp")
+            save_file({"hidden": torch.cat(states).contiguous(), "offsets": offsets}, str(tmp))
+            os.replace(tmp, path)
+    return {"vllm_version": vllm.__version__, "files": files}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         print("usage: python -m eaglewire.engines.vllm JOB.json OUT.json", file=sys.stderr)
         return 2
-    job = Job(**json.loads(Path(argv[0]).read_text()))
-    result = serve(job)
+    spec = json.loads(Path(argv[0]).read_text())
+    kind = spec.pop("kind")
+    job = KINDS[kind](**spec)
+    result = {"serve": serve, "regen": regenerate, "capture": capture}[kind](job)
     tmp = Path(argv[1]).with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, argv[1])

@@ -1,0 +1,124 @@
+"""datagen --engine vllm on the CPU, the real vLLM replaced at its one boundary (engines.vllm.run_job) by an
+engine that does what vLLM's extract_hidden_states does with eaglewire's hooks: the residual stream at vLLM's
+ids (id j = tap j, id N = the last layer's output before the final norm), in layer order, one file a chunk.
+What is checked is everything around it: the id translation, the split into taps and the post-norm final state
+with the target's own norm (engines/host.py: no weights loaded), the shards and the manifest, which must come
+out as datagen's hook capture writes them."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eaglewire import datagen, shards, targets
+from eaglewire.capture import capture
+from eaglewire.engines import vllm as engine
+from eaglewire.engines.host import host_target
+from eaglewire.engines.vllm_datagen import run_vllm_datagen, vllm_ids
+from eaglewire.taps import TapContract
+
+from chat_target import CONTRACT, conversations_file, make_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vdg")
+    make_target(d / "target")
+    conversations_file(d / "convs.jsonl", 12)
+    return d, targets.load_target(str(d / "target"), device="cpu")
+
+
+class FakeVllm:
+    """run_job's stand-in; the hooks do vLLM's part, so the two paths must agree."""
+
+    def __init__(self, target):
+        self.target, self.jobs = target, []
+
+    def __call__(self, job, log_path=None):
+        self.jobs.append(job)
+        if isinstance(job, engine.RegenJob):
+            gen = datagen.GenConfig(max_new_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p)
+            convs = datagen.regenerate(self.target, job.conversations, gen, job.max_len)
+            return {"conversations": [c if isinstance(c, list) else [] for c in convs]}
+        N = self.target.num_layers
+        files = []
+        for k, seqs in enumerate(job.chunks):
+            states = []
+            for s in seqs:
+                got = capture(self.target.model, torch.tensor([s]), TapContract(N, tuple(job.layer_ids)))
+                states.append(got.taps[0].reshape(len(s), len(job.layer_ids), -1))
+            name = f"chunk-{k:05d}.safetensors"
+            save_file({"hidden": torch.cat(states), "offsets": torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)},
+                      f"{job.out_dir}/{name}")
+            files.append(name)
+        return {"files": files}
+
+
+def _load(d):
+    m = json.loads((d / "manifest.json").read_text())
+    ds = shards.open_dataset(d)
+    return m, [ds[i] for i in range(len(ds))]
+
+
+def test_the_host_target_is_the_loaded_one_without_its_weights(world):
+    d, target = world
+    h = host_target(str(d / "target"))
+    assert h.fingerprint == target.fingerprint and next(h.model.parameters()).is_meta
+    x = torch.randn(5, 32)
+    from eaglewire.capture import locate
+
+    torch.testing.assert_close(h.norm(x), locate(target.model).norm(x))
+
+
+def test_vllm_ids_are_the_taps_and_the_last_layer_in_layer_order():
+    assert vllm_ids(TapContract(30, (2, 15, 27))) == [2, 15, 27, 30]
+    assert vllm_ids(TapContract(8, (0, 4, 8))) == [0, 4, 8]  # tap N serves both
+
+
+@pytest.mark.parametrize("regen", [False, True])
+def test_vllm_capture_writes_the_shards_the_hooks_write(world, tmp_path, monkeypatch, regen):
+    d, target = world
+    fake = FakeVllm(target)
+    monkeypatch.setattr(engine, "run_job", fake)
+    monkeypatch.setattr(engine, "require", lambda: None)
+    opts = dict(regen=regen, max_len=256, dtype="fp32", shard_size=5,
+                gen=datagen.GenConfig(max_new_tokens=12) if regen else None)
+    run_vllm_datagen(str(d / "target"), d / "convs.jsonl", tmp_path / "v", CONTRACT, progress=False, **opts)
+    datagen.run_datagen(target, d / "convs.jsonl", tmp_path / "h", CONTRACT, progress=False, batch_size=4, **opts)
+    mv, sv = _load(tmp_path / "v")
+    mh, sh = _load(tmp_path / "h")
+    assert mv["captured_by"] == {"engine": "vllm", "layer_ids": [2, 4, 5, 8], "tensor_parallel_size": 1}
+    assert mv["args"]["capture_engine"] == "vllm" and mv["target"] == mh["target"]
+    assert mv["counts"] == mh["counts"] and len(sv) == len(sh) == 12
+    assert [type(j).__name__ for j in fake.jobs] == (["RegenJob"] if regen else []) + ["CaptureJob"]
+    assert fake.jobs[-1].layer_ids == [2, 4, 5, 8] and [len(c) for c in fake.jobs[-1].chunks] == [5, 5, 2]
+    for a, b in zip(sv, sh):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        torch.testing.assert_close(a["taps"], b["taps"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a["final_hidden"], b["final_hidden"], rtol=1e-4, atol=1e-4)
+
+
+def test_max_samples_stops_at_the_room_and_a_rerun_extends(world, tmp_path, monkeypatch):
+    d, target = world
+    monkeypatch.setattr(engine, "run_job", FakeVllm(target))
+    monkeypatch.setattr(engine, "require", lambda: None)
+    kw = dict(max_len=256, dtype="bf16", shard_size=4, progress=False)
+    m = run_vllm_datagen(str(d / "target"), d / "convs.jsonl", tmp_path / "v", CONTRACT, max_samples=6, **kw)
+    assert m["counts"]["samples"] == 6 and m["progress"]["next_source"] == 6
+    m = run_vllm_datagen(str(d / "target"), d / "convs.jsonl", tmp_path / "v", CONTRACT, max_samples=10, **kw)
+    assert m["counts"]["samples"] == 10 and m["progress"]["next_source"] == 10
+
+
+def test_without_vllm_datagen_names_the_extra(world, capsys):
+    from eaglewire.cli import main
+
+    if engine.available():
+        pytest.skip("vLLM is installed here")
+    d, _ = world
+    code = main(["datagen", "--target", str(d / "target"), "--prompts", str(d / "convs.jsonl"), "--out",
+                 str(d / "never"), "--engine", "vllm"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "eaglewire[vllm]" in err[-1] and not (d / "never").exists()
