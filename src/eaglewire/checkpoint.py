@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import __version__
+from . import __version__, files
 from .draft import DraftConfig, Eagle3Draft
 from .errors import TapError, UsageError
 from .taps import TapContract
@@ -114,15 +110,17 @@ def _jsonable(obj, field: str):
     raise UsageError(f"checkpoint field {field}: {type(obj).__name__} is not JSON-serialisable")
 
 
-def _is_checkpoint_dir(p: Path) -> bool:
-    if not p.is_dir():
-        return False
-    if not any(p.iterdir()):
-        return True
+def is_checkpoint(p: Path) -> bool:
+    """Whether `p` holds a native checkpoint's config.json (its "format" says so); never raises."""
     try:
-        return json.loads((p / CONFIG).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+        raw = files.read_json(Path(p) / CONFIG, fix="")
+    except UsageError:
         return False
+    return isinstance(raw, dict) and raw.get("format") == FORMAT
+
+
+def _is_checkpoint_dir(p: Path) -> bool:
+    return p.is_dir() and (not any(p.iterdir()) or is_checkpoint(p))
 
 
 def _unwrap(model) -> Eagle3Draft:
@@ -131,14 +129,6 @@ def _unwrap(model) -> Eagle3Draft:
     if not isinstance(model, Eagle3Draft):
         raise UsageError(f"save_draft needs an Eagle3Draft, got {type(model).__name__}")
     return model
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_draft(model, out_dir, *, contract: TapContract, target_fingerprint: dict,
@@ -162,26 +152,9 @@ def save_draft(model, out_dir, *, contract: TapContract, target_fingerprint: dic
     text = json.dumps(_jsonable(meta, "config"), indent=2, allow_nan=False) + "\n"
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    old = None
-    try:
+    with files.atomic_dir(out) as tmp:  # a failed rename puts the previous checkpoint back
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(text)
-        for f in (WEIGHTS, CONFIG):
-            _fsync(tmp / f)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / "ckpt")
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / "ckpt").exists() and not out.exists():
-            os.replace(old / "ckpt", out)  # put the previous checkpoint back
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     return out
 
 
@@ -206,10 +179,7 @@ def load_meta(path) -> DraftMeta:
     if not cfile.is_file():
         raise UsageError(f"{root}: not an eaglewire draft checkpoint (no {CONFIG}); engine-format drafts must be "
                          "imported first")
-    try:
-        raw = json.loads(cfile.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{cfile}: unreadable JSON ({e})") from None
+    raw = files.read_json(cfile, fix="fix or replace the file (save or import the draft again)")
     if not isinstance(raw, dict):
         raise _err(str(cfile), "top level", f"expected a JSON object, got {type(raw).__name__}")
     if raw.get("format") != FORMAT:
@@ -252,11 +222,7 @@ def load_draft(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Ea
     wfile = meta.path / WEIGHTS
     if not wfile.is_file():
         raise UsageError(f"{meta.path}: no {WEIGHTS} (eaglewire reads safetensors weights only, never pickle)")
-    try:
-        with safe_open(str(wfile), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise UsageError(f"{wfile}: unreadable safetensors file ({e})") from None
+    tensors = files.read_safetensors(wfile, fix="save or import the draft again")
     want = expected_shapes(meta.config)
     missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or unexpected:

@@ -11,6 +11,7 @@ Public API: `export_draft`, `import_draft`, `load_any`, `read_engine_view`, `det
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,13 +19,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .. import checkpoint, targets
+from .. import checkpoint, files, targets
 from ..draft import Eagle3Draft
 from ..errors import EaglewireError, UsageError
 from ..taps import CONVENTIONS, TapContract
 from . import eagle, modelopt, serve, sglang, specforge, vllm
-from .common import (CONFIG, PROVENANCE_KEY, SERVE, WEIGHTS, DraftDir, Reading, assert_same_draft, atomic_dir,
-                     build_draft, read_dir, write_json)
+from .common import (CONFIG, PROVENANCE_KEY, SERVE, WEIGHTS, DraftDir, Reading, assert_same_draft, build_draft,
+                     read_dir)
 from .engine_view import EngineView, FlagView
 
 # name -> (can export, description). Readers are dispatched in `_readings`.
@@ -226,7 +227,7 @@ def load_any(path, source: str | None = None, target: TargetInfo | str | None = 
     target: a TargetInfo, a --target spec (loaded on the CPU), or None.
     """
     p = Path(path)
-    if (p / CONFIG).is_file() and _is_native(p):
+    if checkpoint.is_checkpoint(p):
         model, meta = checkpoint.load_draft(p)
         return model, ImportMeta(path=p, source="native", convention="canonical", contract=meta.contract,
                                  target=meta.target, config=meta.config)
@@ -237,15 +238,6 @@ def load_any(path, source: str | None = None, target: TargetInfo | str | None = 
     return model, ImportMeta(path=p, source=reading.source, convention=reading.convention, contract=reading.contract,
                              target=fingerprint, engine_version=engine_version, ids=reading.ids,
                              ids_where=reading.ids_where, notes=reading.notes, config=reading.config)
-
-
-def _is_native(p: Path) -> bool:
-    import json
-
-    try:
-        return json.loads((p / CONFIG).read_text()).get("format") == checkpoint.FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _partial_fingerprint(r: Reading) -> dict:
@@ -303,9 +295,11 @@ def export_draft(draft, fmt: str, out, *, engine_version: str | None = None, spe
     else:
         cfg, tensors, ids, conv, notes = vllm.export(model, meta.contract, target, fmt, spec.num_steps, target_path)
         text = serve.vllm_text(str(out), ids, meta.contract, target, spec.num_steps, fmt, target_path, notes)
-    with atomic_dir(out) as tmp:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out}: exists and is not empty; choose a new --out directory")
+    with files.atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        write_json(tmp / CONFIG, cfg)
+        (tmp / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
         (tmp / SERVE).write_text(text)
         reloaded, rmeta = load_any(tmp, target=TargetInfo(fingerprint=target))
         if rmeta.contract != meta.contract:

@@ -1,22 +1,17 @@
 """What every format adapter shares: reading a draft directory, the HF-style config fields, the
-`Reading` a format's reader produces, atomic output directories, and the logits comparison.
+`Reading` a format's reader produces, building the draft from it, and the logits comparison.
 
 A format adapter never re-derives a tap index rule: ids go through `eaglewire.taps.CONVENTIONS`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from .. import files
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import EaglewireError, UsageError
 from ..taps import CONVENTIONS, TapContract
@@ -64,22 +59,15 @@ def read_dir(path) -> DraftDir:
     cfile = root / CONFIG
     if not cfile.is_file():
         raise UsageError(f"{root}: no {CONFIG}; not a draft directory")
-    try:
-        config = json.loads(cfile.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{cfile}: unreadable JSON ({e})") from None
+    config = files.read_json(cfile, fix="fetch or export the draft again")
     if not isinstance(config, dict):
         raise UsageError(f"{cfile}: expected a JSON object")
-    files = sorted(root.glob("*.safetensors"))
+    found = sorted(root.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
-    try:
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                tensors.update({k: h.get_tensor(k) for k in h.keys()})
-    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise UsageError(f"{root}: unreadable safetensors file ({e})") from None
-    weights = ", ".join(f.name for f in files)
-    if not files and (root / "pytorch_model.bin").is_file():
+    for f in found:
+        tensors.update(files.read_safetensors(f, fix="fetch or export the draft again"))
+    weights = ", ".join(f.name for f in found)
+    if not found and (root / "pytorch_model.bin").is_file():
         # SafeAILab/EAGLE releases ship pickled weights; weights_only refuses anything but tensors.
         try:
             tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -225,27 +213,6 @@ def provenance(fmt: str, convention: str, contract: TapContract, target: dict, e
     return {"format": fmt, "convention": convention, "engine_version": engine_version,
             "eaglewire_version": __version__, "taps": contract.to_dict(), "target": target,
             "draft": config.to_dict()}
-
-
-@contextmanager
-def atomic_dir(out):
-    """Yield a temporary directory beside `out`; rename it to `out` on success, delete it on failure."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out}: exists and is not empty; choose a new --out directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        yield tmp
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def probe_logits(model: Eagle3Draft, seed: int = 0, T: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
