@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 import inspect
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from . import files, registry
 from .errors import EaglewireError, UsageError
-from .files import file_digest
 from .parallel import pick_device
 
 
@@ -38,6 +34,10 @@ class EmbeddedTarget:
     member: str  # path of the GGUF file inside the wheel
     size: int
     md5: str
+
+    @property
+    def wheel(self) -> registry.WheelFile:
+        return registry.WheelFile(package=self.package, module=self.module, member=self.member)
 
 
 REGISTRY: dict[str, EmbeddedTarget] = {
@@ -54,27 +54,13 @@ def home() -> Path:
 
 
 def _find_gguf(t: EmbeddedTarget, workdir: Path, local: Path | None = None) -> Path:
-    """The target's GGUF: a given file, the installed package, else a download from the registry."""
+    """The target's GGUF: a given file, the installed package's, else a download from the registry into
+    `workdir` (not kept: the dequantized model is what the cache holds)."""
     if local is not None:
         if not local.is_file():
             raise UsageError(f"--gguf {local}: no such file")
         return local
-    spec = importlib.util.find_spec(t.module)  # never import it: it pulls llama_cpp
-    if spec is not None and spec.origin:
-        p = Path(spec.origin).parent / Path(t.member).name
-        if p.exists():
-            return p
-    print(f"eaglewire: downloading {t.package} from the package registry ({t.size / 1e6:.0f} MB)", file=sys.stderr)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", t.package,
-                        "-d", str(workdir)], stdout=sys.stderr)
-    wheels = list(workdir.glob("*.whl"))
-    if r.returncode != 0 or not wheels:
-        raise EaglewireError(f"could not download {t.package} from the package registry; "
-                             f"install it with `pip install --no-deps {t.package}` and retry")
-    out = workdir / Path(t.member).name
-    with zipfile.ZipFile(wheels[0]) as z, z.open(t.member) as src, open(out, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 22)
-    return out
+    return registry.fetch(t.wheel, workdir / t.wheel.name, note=f"({t.size / 1e6:.0f} MB)", otherwise="and retry")
 
 
 def prepare(name: str, gguf: Path | None = None) -> Path:
@@ -90,21 +76,17 @@ def prepare(name: str, gguf: Path | None = None) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
-        tmp = Path(tmp)
-        gguf = _find_gguf(t, tmp, gguf)
-        if gguf.stat().st_size != t.size or file_digest(gguf, "md5") != t.md5:
+        gguf = _find_gguf(t, Path(tmp), gguf)
+        if gguf.stat().st_size != t.size or files.file_digest(gguf, "md5") != t.md5:
             raise EaglewireError(f"{gguf}: size or md5 differs from the published {t.package} file; "
                                  "reinstall the package")
         print(f"eaglewire: dequantizing {gguf.name} once (about half a minute on a CPU)", file=sys.stderr)
         model, tok = _load_gguf(gguf, torch.bfloat16)
-        out = tmp / "model"
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-        (out / "eaglewire_target.json").write_text(json.dumps(
-            {"name": name, "hf_id": t.hf_id, "source": t.package, "gguf_md5": t.md5}, indent=2))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(out, dest)  # atomic: a killed prepare leaves no half-written target
+        with files.atomic_dir(dest) as out:  # a killed prepare leaves no half-written target
+            model.save_pretrained(out)
+            tok.save_pretrained(out)
+            (out / "eaglewire_target.json").write_text(json.dumps(
+                {"name": name, "hf_id": t.hf_id, "source": t.package, "gguf_md5": t.md5}, indent=2))
     return dest
 
 
