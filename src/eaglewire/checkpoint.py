@@ -216,6 +216,33 @@ def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in Eagle3Draft(config).state_dict().items()}
 
 
+def draft_from_tensors(config: DraftConfig, tensors: dict[str, torch.Tensor], *, where: str,
+                       config_name: str = "config.json", check_vocab: bool = True) -> Eagle3Draft:
+    """An Eagle3Draft (eval mode) holding exactly `tensors`, not copied: the names must be the draft's and
+    the shapes fit `config`, else one UsageError naming `where` and the tensors (`config_name` says where
+    the config came from). check_vocab: d2t/t2d validated too (a foreign reader validates its own).
+    Every native checkpoint and every imported draft is built here."""
+    want = expected_shapes(config)
+    missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or unexpected:
+        raise UsageError(f"{where}: tensors do not match {config_name}: missing {missing or 'none'}, "
+                         f"unexpected {unexpected or 'none'}")
+    c = config
+    if tuple(tensors["fc.weight"].shape) != want["fc.weight"]:  # the tap count is the likeliest mistake: say so
+        raise UsageError(f"{where}: fc.weight has shape {tuple(tensors['fc.weight'].shape)}, {config_name} says "
+                         f"({c.hidden_size}, {c.fc_in_features}) = (hidden_size, num_taps {c.num_taps} x "
+                         f"target_hidden_size {c.target_hidden_size})")
+    wrong = [f"{k} {tuple(t.shape)} != {want[k]}" for k, t in tensors.items() if tuple(t.shape) != want[k]]
+    if wrong:
+        raise UsageError(f"{where}: tensor shapes disagree with {config_name}: {'; '.join(wrong)}")
+    if check_vocab:
+        validate_vocab(tensors["d2t"], tensors["t2d"], c.vocab_size, where=f"{where}: d2t/t2d")
+    with torch.device("meta"):
+        model = Eagle3Draft(c)
+    model.load_state_dict(tensors, strict=True, assign=True)  # keeps each parameter's requires_grad
+    return model.eval()
+
+
 def load_draft(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Eagle3Draft, DraftMeta]:
     """Load and validate a native checkpoint. dtype casts the floating weights (None: as stored)."""
     meta = load_meta(path)
@@ -223,22 +250,6 @@ def load_draft(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Ea
     if not wfile.is_file():
         raise UsageError(f"{meta.path}: no {WEIGHTS} (eaglewire reads safetensors weights only, never pickle)")
     tensors = files.read_safetensors(wfile, fix="save or import the draft again")
-    want = expected_shapes(meta.config)
-    missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
-    if missing or unexpected:
-        raise UsageError(f"{wfile}: tensors do not match config.json 'draft': missing {missing or 'none'}, "
-                         f"unexpected {unexpected or 'none'}")
-    c = meta.config
-    if tuple(tensors["fc.weight"].shape) != want["fc.weight"]:
-        raise UsageError(f"{wfile}: fc.weight has shape {tuple(tensors['fc.weight'].shape)}, config.json says "
-                         f"({c.hidden_size}, {c.fc_in_features}) = (hidden_size, num_taps {c.num_taps} x "
-                         f"target_hidden_size {c.target_hidden_size})")
-    wrong = [f"{k} {tuple(t.shape)} != {want[k]}" for k, t in tensors.items() if tuple(t.shape) != want[k]]
-    if wrong:
-        raise UsageError(f"{wfile}: tensor shapes disagree with config.json 'draft': {'; '.join(wrong)}")
-    validate_vocab(tensors["d2t"], tensors["t2d"], c.vocab_size, where=f"{wfile}: d2t/t2d")
-    with torch.device("meta"):
-        model = Eagle3Draft(c)
-    model.load_state_dict(tensors, strict=True, assign=True)  # keeps each parameter's requires_grad
+    model = draft_from_tensors(meta.config, tensors, where=str(wfile))
     model.to(device=device, dtype=dtype)  # dtype None: as stored; integer buffers are never cast
-    return model.eval(), meta
+    return model, meta

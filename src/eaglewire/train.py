@@ -359,8 +359,9 @@ class _Run:
         model_sd, _ = parallel.full_state(self.inner, None)
         tps = self.tokens_run / self.t_train if self.t_train > 0 else None
         if self.dist.main:
-            draft = Eagle3Draft(self.draft.config)
-            draft.load_state_dict({k[len("draft."):]: v for k, v in model_sd.items() if k.startswith("draft.")})
+            draft = checkpoint.draft_from_tensors(self.draft.config, {k[len("draft."):]: v for k, v in model_sd.items()
+                                                                      if k.startswith("draft.")},
+                                                  where=f"{self.out}: the trained draft")
             training = {"config": self.cfg.to_dict(), "data": self.corpus.provenance, "steps": done,
                         "planned_steps": self.total, "lr_horizon": self.horizon, "stopped_early": stopped, "world_size": self.dist.world,
                         "flops_per_token": self.flops, "peak_tflops": PEAK_TFLOPS, "train_seconds": self.t_train,

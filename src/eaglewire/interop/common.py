@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import files
+from ..checkpoint import draft_from_tensors
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import EaglewireError, UsageError
 from ..taps import CONVENTIONS, TapContract
@@ -189,21 +190,11 @@ def build_draft(reading: Reading, embedding: torch.Tensor | None = None) -> Eagl
             raise UsageError(f"{reading.source} draft has no embed_tokens.weight (engines take the target's): "
                              "pass --target so the target's embedding can be copied in")
         tensors["embed_tokens.weight"] = embedding.detach().to("cpu", torch.float32)
-    dtype = tensors["fc.weight"].dtype
+    dtype = tensors["fc.weight"].dtype  # one dtype for the whole draft, the fc's (sources mix them)
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-    with torch.device("meta"):
-        model = Eagle3Draft(reading.config)
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
-    if missing or unexpected:
-        raise UsageError(f"{reading.source} draft: tensors do not fit its config: missing {missing or 'none'}, "
-                         f"unexpected {unexpected or 'none'}")
-    wrong = [f"{k} {tuple(t.shape)} != {want[k]}" for k, t in tensors.items() if tuple(t.shape) != want[k]]
-    if wrong:
-        raise UsageError(f"{reading.source} draft: tensor shapes disagree with its config: {'; '.join(wrong)}")
-    model.load_state_dict(tensors, strict=True, assign=True)
-    model.embed_tokens.weight.requires_grad_(reading.config.hidden_size != reading.config.target_hidden_size)
-    return model.eval()
+    # d2t/t2d: each reader has validated (or, for the doctor, deliberately kept) them
+    return draft_from_tensors(reading.config, tensors, where=f"{reading.source} draft", config_name="its config",
+                              check_vocab=False)
 
 
 def provenance(fmt: str, convention: str, contract: TapContract, target: dict, engine_version: str | None,
