@@ -101,13 +101,6 @@ class DatagenConfig:
 
 # ---- regeneration -------------------------------------------------------------------------------
 
-def stop_ids(target: targets.Target) -> list[int]:
-    ids = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
-    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
-    ids.append(target.tokenizer.eos_token_id)
-    return sorted({int(i) for i in ids if i is not None})
-
-
 def pad_id(tokenizer) -> int:
     pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return int(pid) if pid is not None else 0
@@ -152,7 +145,7 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
                      on_batch: Callable[[dict], None] | None = None, strip: bool = True) -> list[str]:
     """Replies to tokenized prompts as text (`generate_ids`, decoded without the stop token).
     strip=False keeps the reply's leading space, for text that continues the prompt's."""
-    stops, out = set(stop_ids(target)), []
+    stops, out = set(targets.eos_ids(target)), []
     for new in generate_ids(target, prompts_ids, gen, on_batch):
         text = target.tokenizer.decode(new[:-1] if new and new[-1] in stops else new, skip_special_tokens=True)
         out.append(text.strip() if strip else text.rstrip())
@@ -169,7 +162,7 @@ def generate_ids(target: targets.Target, prompts_ids: list[list[int]], gen: GenC
     from transformers import GenerationConfig
 
     tok, model = target.tokenizer, target.model
-    stops, pad = stop_ids(target), pad_id(tok)
+    stops, pad = targets.eos_ids(target), pad_id(tok)  # generate and batchgen test membership: order is moot
     kw = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} if gen.temperature > 0 else \
         {"do_sample": False}
     device = torch.device(target.device)

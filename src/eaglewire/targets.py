@@ -164,11 +164,13 @@ def load_target(spec: str, dtype: torch.dtype | None = None, device: str | torch
 
 
 def eos_ids(target) -> list[int]:
-    """End-of-sequence ids from the tokenizer and the generation config, de-duplicated."""
+    """End-of-sequence ids: the tokenizer's, then the generation config's (an id or a list), de-duplicated.
+    Every place that stops on, or must be able to emit, the end of a reply uses these (bench's HF run pads
+    with the first)."""
     ids = []
     for v in (getattr(target.tokenizer, "eos_token_id", None),
               getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
-        ids += v if isinstance(v, list) else [v]
+        ids += list(v) if isinstance(v, (list, tuple)) else [v]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
