@@ -31,7 +31,7 @@ from .parallel import Dist
 from .taps import TapContract
 from .train_config import PEAK_TFLOPS, TrainConfig, flops_per_token, lr_at
 from .ttt import TTTModel, TTTSpec, target_side
-from .vocab import select_draft_vocab
+from .vocab import draft_ids, select_draft_vocab
 
 TAP_STATS_TOKENS = 4096  # tokens of training data the checkpoint's tap statistics are taken over
 # Settings that change neither the batches nor the weights: a run may resume with other values.
@@ -101,7 +101,7 @@ class _Run:
             raise EaglewireError(f"--target {self.target.spec}: no lm_head found: the distillation target needs it")
         draft = self._initial_draft() if self.cfg.init_from else self._new_draft()
         draft.to(self.device)
-        self.draft_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=self.device))
+        self.draft_ids = draft_ids(draft.d2t)  # each draft id's target id, on the device
         return draft
 
     def _initial_draft(self) -> Eagle3Draft:

@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from .. import interop
 from ..errors import EaglewireError, TapError
 from ..interop.common import IDS_KEY, NORM_FLAGS
 from ..taps import CONVENTIONS, TapContract
-from ..vocab import t2d_from_d2t, validate_vocab
+from ..vocab import d2t_from_ids, t2d_from_d2t, validate_vocab
 from .engine_args import EngineRun, with_option, with_speculative_config
 from .findings import Finding, Remedy, finding
 from .subject import Subject, TargetFacts
@@ -407,7 +405,7 @@ def check_vocab(ctx: Context) -> list[Finding]:
         msg = str(e)
     remedy = None
     if "absolute target ids" in msg:
-        fixed = d2t - torch.arange(d2t.numel())
+        fixed = d2t_from_ids(d2t)  # the stored table holds target ids: make them offsets
         remedy = Remedy(tensors={"d2t": fixed.to(t["d2t"].dtype)}, why="offsets, d2t - arange(len(d2t))")
     elif t2d is not None and _valid(d2t, None, V):
         remedy = Remedy(tensors={"t2d": t2d_from_d2t(d2t, V)}, why="the mask of the target ids d2t maps to")
