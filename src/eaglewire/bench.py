@@ -51,7 +51,7 @@ from .runners import TargetRunner
 
 PROGRESS_EVERY_S = 10.0  # a line at most this often while the runs are timed
 TIE_GAP = 1e-3  # fp32 top-2 logit gap below which a greedy divergence is rounding, not a bug
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = targets.DTYPES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,7 +356,7 @@ def prepare(target, draft, cfg: BenchConfig) -> tuple:
     """(device, dtype, suite prompts, target, draft, meta, encoded prompts, EOS ids) for a run; the cheap
     errors (device, suite, context) before the models load or anything is timed."""
     device = pick_device(cfg.device)
-    dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = targets.dtype_of(cfg.dtype, device)
     sp = suites.load_suite(cfg.suite, cfg.max_prompts)
     t, draft_model, meta = _load(target, draft, device, dtype)
     prompts = [suites.encode_prompt(t.tokenizer, c).to(device) for c in sp.conversations]
@@ -408,7 +408,7 @@ def describe(cfg: BenchConfig, t, meta, sp, device, dtype) -> dict:
                   "draft_vocab_size": meta.config.draft_vocab_size, "target_fingerprint": meta.target},
         "suite": sp.summary(),
         "settings": {**{k: v for k, v in asdict(cfg).items() if k != "suite"}, "device": str(device),
-                     "dtype": next(k for k, v in DTYPES.items() if v == dtype), "draft": cfg.draft_shape(),
+                     "dtype": targets.dtype_name(dtype), "draft": cfg.draft_shape(),
                      "cuda_graphs": cfg.cuda_graphs and device.type == "cuda", "compile": cfg.compiles(device),
                      "autotune": autotuned(device) if cfg.compiles(device) else None},
         "floor": {"weight_bytes": weight_bytes, "bandwidth": bw, "ms": fms},

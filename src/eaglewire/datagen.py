@@ -449,7 +449,7 @@ def cmd_datagen(args) -> int:
                    overlong=args.overlong, batch_size=args.batch_size, dtype=args.dtype, shard_size=args.shard_size)
     DatagenConfig(**options)  # refuse bad arguments before loading the target
     contract = TapContract.parse(_target_config(args.target).num_hidden_layers, args.taps)
-    dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.target_dtype]
+    dtype = None if args.target_dtype == "auto" else targets.DTYPES[args.target_dtype]  # None: load_target's default
     target = targets.load_target(args.target, dtype=dtype, device=args.device)
     m = run_datagen(target, paths, args.out, contract, **options)
     c = m["counts"]

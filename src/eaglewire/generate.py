@@ -16,9 +16,7 @@ import torch
 from .decode import SpecConfig, SpecDecoder, default_shape, default_shape_text, fill_shape
 from .errors import UsageError
 from .parallel import pick_device
-from .targets import eos_ids
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .targets import DTYPES, eos_ids
 
 
 def read_messages(path: str) -> list[dict]:

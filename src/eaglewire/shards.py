@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from . import __version__, files
+from . import __version__, files, targets
 from .errors import EaglewireError, UsageError
 from .files import file_digest
 from .targets import compare_fingerprints
@@ -38,7 +38,7 @@ from .taps import TapContract
 FORMAT = "eaglewire-data/1"
 MANIFEST = "manifest.json"
 SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {k: targets.DTYPES[k] for k in ("bf16", "fp32")}  # the storage dtypes, of the one table
 # Manifest fields that define the data; a resumed run must agree on every one of them.
 IDENTITY = ("format", "contract", "final_hidden", "storage_dtype", "hidden_size", "target", "tokenizer_hash",
             "chat_template_hash", "prompts_sha256", "args")

@@ -49,6 +49,21 @@ REGISTRY: dict[str, EmbeddedTarget] = {
 DEFAULT_TARGET = "smollm2-135m"
 
 
+# Every dtype name a command or an artefact uses (--dtype, --target-dtype, shards' storage) -> torch dtype.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_of(name: str | None, device: torch.device) -> torch.dtype:
+    """A DTYPES name's torch dtype; None or "auto": bf16 on CUDA, fp32 elsewhere (the default everywhere)."""
+    if name is None or name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
 def home() -> Path:
     return Path(os.environ.get("EAGLEWIRE_HOME", Path.home() / ".cache" / "eaglewire"))
 
@@ -151,7 +166,7 @@ def load_target(spec: str, dtype: torch.dtype | None = None, device: str | torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = pick_device(device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or dtype_of(None, device)
     path = resolve(spec)
     if path.suffix == ".gguf":
         model, tok = _load_gguf(path, dtype)
