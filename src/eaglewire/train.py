@@ -28,7 +28,7 @@ from .decode import check_pair
 from .draft import DraftConfig, Eagle3Draft
 from .errors import EaglewireError, UsageError
 from .parallel import Dist
-from .taps import TapContract
+from .taps import TapContract, parse_taps
 from .train_config import PEAK_TFLOPS, TrainConfig, flops_per_token, lr_at
 from .ttt import TTTModel, TTTSpec, target_side
 from .vocab import draft_ids, select_draft_vocab
@@ -411,11 +411,9 @@ def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = Fals
 
 def config_from_args(args) -> TrainConfig:
     fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
-    if args.taps is not None and args.taps != "default":
-        try:
-            fields["taps"] = tuple(int(t) for t in args.taps.split(",") if t.strip())
-        except ValueError:
-            raise UsageError(f"--taps must be comma-separated integers (canonical taps), got {args.taps!r}") from None
+    taps = parse_taps(args.taps)  # None: the data's, or the default, known once the target's layer count is
+    if taps is not None:
+        fields["taps"] = taps
     if args.draft_config is not None:
         try:
             fields["draft_overrides"] = json.loads(args.draft_config)
