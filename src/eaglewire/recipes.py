@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, datagen, files, prompts, registry, targets
+from . import checkpoint, cli_args, datagen, files, prompts, registry, targets
 from .decode import check_pair
 from .errors import EaglewireError, UsageError
 from .taps import TapContract
@@ -359,11 +359,11 @@ def register(sub) -> None:
     p.add_argument("recipe", choices=sorted(RECIPES), help="demo: CPU, minutes; full: ShareGPT on one H200, one "
                    "10-minute run; long: the best draft, ~22 minutes on two H200s under torchrun")
     p.add_argument("--out", required=True, metavar="DIR", help="new or empty directory for everything it makes")
-    p.add_argument("--target", default=targets.DEFAULT_TARGET, help=f"target (default {targets.DEFAULT_TARGET})")
+    cli_args.add_target(p, required=False, help=cli_args.DEFAULT_TARGET_HELP)
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="prompt file instead of the recipe's own (demo: shipped list; full: ShareGPT)")
-    p.add_argument("--device", default=None, help="default: cpu for demo, cuda for full")
-    p.add_argument("--max-prompts", type=int, default=None, help="use only the first N conversations")
+    cli_args.add_device(p, help="default: cpu for demo, cuda for full")
+    cli_args.add_max_prompts(p, help="use only the first N conversations")
     p.add_argument("--turns", type=int, default=None,
                    help="user turns per conversation, each answered by the target (default 1; more turns: more "
                         "and more varied training replies, and a longer regeneration)")

@@ -445,10 +445,10 @@ def cmd_train(args) -> int:
 
 
 def register(sub) -> None:
-    from .commands import add_target_arg
+    from . import cli_args
 
     p = sub.add_parser("train", help="train an EAGLE-3 draft (training-time test) from datagen shards or online")
-    add_target_arg(p)
+    cli_args.add_target(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", metavar="DIR", help="a datagen directory (offline training)")
     src.add_argument("--prompts", metavar="FILE", nargs="+",
@@ -482,7 +482,7 @@ def register(sub) -> None:
                    "the checkpoint's deepen it, the new layers starting as the identity")
     g.add_argument("--draft-config", metavar="JSON",
                    help="other DraftConfig fields, e.g. '{\"norm_before_residual\": true}'")
-    g.add_argument("--taps", default=None, help="canonical taps (default: the data's; online 2,N//2,N-3)")
+    cli_args.add_taps(g, help="canonical taps (default: the data's; online 2,N//2,N-3)")
     g.add_argument("--init-from", metavar="CKPT",
                    help="fine-tune this native draft (its weights, vocabulary and shape) instead of a new one")
     g = p.add_argument_group("evaluation, checkpoints, logging")
@@ -493,7 +493,7 @@ def register(sub) -> None:
     g.add_argument("--log-every", type=int, help="steps between log lines (default 10)")
     g.add_argument("--seed", type=int, help="initialisation, split and batch order (default 0)")
     g = p.add_argument_group("devices")
-    g.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available; LOCAL_RANK under torchrun)")
+    cli_args.add_device(g, help="cuda, cuda:1, cpu (default: cuda if available; LOCAL_RANK under torchrun)")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="auto: bf16 autocast on CUDA, fp32 on CPU")
     g.add_argument("--fsdp", action="store_true", default=None, help="shard the draft with FSDP2 (torchrun)")
     g.add_argument("--num-workers", type=int, help="data-loading workers (default 4 on CUDA, 0 on CPU)")
