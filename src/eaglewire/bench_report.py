@@ -4,13 +4,12 @@ and the table (bench.py runs the bench; shapes.py sweeps speculation shapes and 
 from __future__ import annotations
 
 import datetime
-import json
 import platform
 from pathlib import Path
 
 import torch
 
-from . import __version__
+from . import __version__, files
 
 BANDWIDTH = {"H200": 4.3e12}  # bytes/s a decode step can stream (GPU.md); others: pass bandwidth=
 RUNS = ("hf", "base", "spec")
@@ -127,6 +126,4 @@ def write_json(result: dict, path) -> None:
     """The result as JSON at `path` (its folder made), written whole or not at all."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(out)
+    files.write_json(out, result)

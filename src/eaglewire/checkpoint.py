@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import __version__
+from . import __version__, files
 from .draft import DraftConfig, Eagle3Draft
 from .errors import TapError, UsageError
 from .taps import TapContract
@@ -114,15 +110,17 @@ def _jsonable(obj, field: str):
     raise UsageError(f"checkpoint field {field}: {type(obj).__name__} is not JSON-serialisable")
 
 
-def _is_checkpoint_dir(p: Path) -> bool:
-    if not p.is_dir():
-        return False
-    if not any(p.iterdir()):
-        return True
+def is_checkpoint(p: Path) -> bool:
+    """Whether `p` holds a native checkpoint's config.json (its "format" says so); never raises."""
     try:
-        return json.loads((p / CONFIG).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+        raw = files.read_json(Path(p) / CONFIG, fix="")
+    except UsageError:
         return False
+    return isinstance(raw, dict) and raw.get("format") == FORMAT
+
+
+def _is_checkpoint_dir(p: Path) -> bool:
+    return p.is_dir() and (not any(p.iterdir()) or is_checkpoint(p))
 
 
 def _unwrap(model) -> Eagle3Draft:
@@ -131,14 +129,6 @@ def _unwrap(model) -> Eagle3Draft:
     if not isinstance(model, Eagle3Draft):
         raise UsageError(f"save_draft needs an Eagle3Draft, got {type(model).__name__}")
     return model
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_draft(model, out_dir, *, contract: TapContract, target_fingerprint: dict,
@@ -162,26 +152,9 @@ def save_draft(model, out_dir, *, contract: TapContract, target_fingerprint: dic
     text = json.dumps(_jsonable(meta, "config"), indent=2, allow_nan=False) + "\n"
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    old = None
-    try:
+    with files.atomic_dir(out) as tmp:  # a failed rename puts the previous checkpoint back
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(text)
-        for f in (WEIGHTS, CONFIG):
-            _fsync(tmp / f)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / "ckpt")
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / "ckpt").exists() and not out.exists():
-            os.replace(old / "ckpt", out)  # put the previous checkpoint back
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     return out
 
 
@@ -206,10 +179,7 @@ def load_meta(path) -> DraftMeta:
     if not cfile.is_file():
         raise UsageError(f"{root}: not an eaglewire draft checkpoint (no {CONFIG}); engine-format drafts must be "
                          "imported first")
-    try:
-        raw = json.loads(cfile.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{cfile}: unreadable JSON ({e})") from None
+    raw = files.read_json(cfile, fix="fix or replace the file (save or import the draft again)")
     if not isinstance(raw, dict):
         raise _err(str(cfile), "top level", f"expected a JSON object, got {type(raw).__name__}")
     if raw.get("format") != FORMAT:
@@ -246,33 +216,40 @@ def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in Eagle3Draft(config).state_dict().items()}
 
 
+def draft_from_tensors(config: DraftConfig, tensors: dict[str, torch.Tensor], *, where: str,
+                       config_name: str = "config.json", check_vocab: bool = True) -> Eagle3Draft:
+    """An Eagle3Draft (eval mode) holding exactly `tensors`, not copied: the names must be the draft's and
+    the shapes fit `config`, else one UsageError naming `where` and the tensors (`config_name` says where
+    the config came from). check_vocab: d2t/t2d validated too (a foreign reader validates its own).
+    Every native checkpoint and every imported draft is built here."""
+    want = expected_shapes(config)
+    missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or unexpected:
+        raise UsageError(f"{where}: tensors do not match {config_name}: missing {missing or 'none'}, "
+                         f"unexpected {unexpected or 'none'}")
+    c = config
+    if tuple(tensors["fc.weight"].shape) != want["fc.weight"]:  # the tap count is the likeliest mistake: say so
+        raise UsageError(f"{where}: fc.weight has shape {tuple(tensors['fc.weight'].shape)}, {config_name} says "
+                         f"({c.hidden_size}, {c.fc_in_features}) = (hidden_size, num_taps {c.num_taps} x "
+                         f"target_hidden_size {c.target_hidden_size})")
+    wrong = [f"{k} {tuple(t.shape)} != {want[k]}" for k, t in tensors.items() if tuple(t.shape) != want[k]]
+    if wrong:
+        raise UsageError(f"{where}: tensor shapes disagree with {config_name}: {'; '.join(wrong)}")
+    if check_vocab:
+        validate_vocab(tensors["d2t"], tensors["t2d"], c.vocab_size, where=f"{where}: d2t/t2d")
+    with torch.device("meta"):
+        model = Eagle3Draft(c)
+    model.load_state_dict(tensors, strict=True, assign=True)  # keeps each parameter's requires_grad
+    return model.eval()
+
+
 def load_draft(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Eagle3Draft, DraftMeta]:
     """Load and validate a native checkpoint. dtype casts the floating weights (None: as stored)."""
     meta = load_meta(path)
     wfile = meta.path / WEIGHTS
     if not wfile.is_file():
         raise UsageError(f"{meta.path}: no {WEIGHTS} (eaglewire reads safetensors weights only, never pickle)")
-    try:
-        with safe_open(str(wfile), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise UsageError(f"{wfile}: unreadable safetensors file ({e})") from None
-    want = expected_shapes(meta.config)
-    missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
-    if missing or unexpected:
-        raise UsageError(f"{wfile}: tensors do not match config.json 'draft': missing {missing or 'none'}, "
-                         f"unexpected {unexpected or 'none'}")
-    c = meta.config
-    if tuple(tensors["fc.weight"].shape) != want["fc.weight"]:
-        raise UsageError(f"{wfile}: fc.weight has shape {tuple(tensors['fc.weight'].shape)}, config.json says "
-                         f"({c.hidden_size}, {c.fc_in_features}) = (hidden_size, num_taps {c.num_taps} x "
-                         f"target_hidden_size {c.target_hidden_size})")
-    wrong = [f"{k} {tuple(t.shape)} != {want[k]}" for k, t in tensors.items() if tuple(t.shape) != want[k]]
-    if wrong:
-        raise UsageError(f"{wfile}: tensor shapes disagree with config.json 'draft': {'; '.join(wrong)}")
-    validate_vocab(tensors["d2t"], tensors["t2d"], c.vocab_size, where=f"{wfile}: d2t/t2d")
-    with torch.device("meta"):
-        model = Eagle3Draft(c)
-    model.load_state_dict(tensors, strict=True, assign=True)  # keeps each parameter's requires_grad
+    tensors = files.read_safetensors(wfile, fix="save or import the draft again")
+    model = draft_from_tensors(meta.config, tensors, where=str(wfile))
     model.to(device=device, dtype=dtype)  # dtype None: as stored; integer buffers are never cast
-    return model.eval(), meta
+    return model, meta

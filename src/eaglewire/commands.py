@@ -5,14 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import targets
+from . import cli_args, targets
 from .taps import CONVENTIONS, TapContract, sglang_convention
 from .errors import TapError, UsageError
-
-
-def add_target_arg(p, required: bool = True):
-    p.add_argument("--target", required=required, default=None if required else targets.DEFAULT_TARGET,
-                   help=f"registry name ({', '.join(targets.REGISTRY)}), HF model directory or .gguf file")
 
 
 def _target_config(spec: str):
@@ -86,7 +81,7 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("taps", help="print a target's layer count, default taps and each engine's ids for them")
-    add_target_arg(p)
-    p.add_argument("--taps", default=None, help="canonical taps, comma-separated (default: 2,N//2,N-3)")
+    cli_args.add_target(p)
+    cli_args.add_taps(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_taps)

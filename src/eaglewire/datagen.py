@@ -101,13 +101,6 @@ class DatagenConfig:
 
 # ---- regeneration -------------------------------------------------------------------------------
 
-def stop_ids(target: targets.Target) -> list[int]:
-    ids = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
-    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
-    ids.append(target.tokenizer.eos_token_id)
-    return sorted({int(i) for i in ids if i is not None})
-
-
 def pad_id(tokenizer) -> int:
     pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return int(pid) if pid is not None else 0
@@ -152,7 +145,7 @@ def generate_batched(target: targets.Target, prompts_ids: list[list[int]], gen: 
                      on_batch: Callable[[dict], None] | None = None, strip: bool = True) -> list[str]:
     """Replies to tokenized prompts as text (`generate_ids`, decoded without the stop token).
     strip=False keeps the reply's leading space, for text that continues the prompt's."""
-    stops, out = set(stop_ids(target)), []
+    stops, out = set(targets.eos_ids(target)), []
     for new in generate_ids(target, prompts_ids, gen, on_batch):
         text = target.tokenizer.decode(new[:-1] if new and new[-1] in stops else new, skip_special_tokens=True)
         out.append(text.strip() if strip else text.rstrip())
@@ -169,7 +162,7 @@ def generate_ids(target: targets.Target, prompts_ids: list[list[int]], gen: GenC
     from transformers import GenerationConfig
 
     tok, model = target.tokenizer, target.model
-    stops, pad = stop_ids(target), pad_id(tok)
+    stops, pad = targets.eos_ids(target), pad_id(tok)  # generate and batchgen test membership: order is moot
     kw = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} if gen.temperature > 0 else \
         {"do_sample": False}
     device = torch.device(target.device)
@@ -464,7 +457,7 @@ def cmd_datagen(args) -> int:
     else:
         if args.tensor_parallel_size != 1:
             raise UsageError("--tensor-parallel-size runs with --engine vllm (the hooks capture runs one device)")
-        dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.target_dtype]
+        dtype = None if args.target_dtype == "auto" else targets.DTYPES[args.target_dtype]  # None: load_target's default
         target = targets.load_target(args.target, dtype=dtype, device=args.device)
         m = run_datagen(target, paths, args.out, contract, **options)
     c = m["counts"]
@@ -493,16 +486,16 @@ def add_engine_args(p, defaults: bool) -> None:
 
 
 def register(sub) -> None:
-    from .commands import add_target_arg
+    from . import cli_args
 
     p = sub.add_parser("datagen", help="capture the target's taps over a prompt set into training shards")
-    add_target_arg(p)
+    cli_args.add_target(p)
     p.add_argument("--prompts", required=True, metavar="FILE", nargs="+",
                    help="ShareGPT / OpenAI-messages JSON(L), a JSON list of prompts, or a .txt with one per line; "
                         "several are pooled, a conversation that repeats one before it dropped")
     p.add_argument("--out", required=True, metavar="DIR", help="dataset directory (created, or resumed)")
     p.add_argument("--regen", action="store_true", help="have the target write the assistant turns itself")
-    p.add_argument("--taps", default=None, help="canonical taps, comma-separated (default: 2,N//2,N-3)")
+    cli_args.add_taps(p)
     p.add_argument("--max-samples", type=int, default=None, metavar="N", help="stop after N samples (rerun with a larger N to extend)")
     p.add_argument("--max-len", type=int, default=2048, metavar="L", help="tokens per sample (default 2048)")
     p.add_argument("--overlong", choices=["truncate", "skip"], default="truncate",
@@ -512,7 +505,7 @@ def register(sub) -> None:
     p.add_argument("--shard-size", type=int, default=64, metavar="S", help="conversations per shard, the unit of resumption (default 64)")
     p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="dtype the target runs in (auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    cli_args.add_device(p)
     p.add_argument("--engine", choices=["hooks", "vllm"], default="hooks",
                    help="what runs the target and captures its taps: hooks (default) on one device in this process, "
                         "or the real vLLM (its extract_hidden_states method; pip install 'eaglewire[vllm]'), for "
@@ -520,8 +513,7 @@ def register(sub) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs vLLM spreads the target over")
     g = p.add_argument_group("regeneration (--regen)")
     g.add_argument("--max-new-tokens", type=int, default=512, help="per reply (default 512)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    cli_args.add_sampling(g, top_k=False)
     add_engine_args(g, defaults=True)
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.set_defaults(func=cmd_datagen)

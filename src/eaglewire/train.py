@@ -28,10 +28,10 @@ from .decode import check_pair
 from .draft import DraftConfig, Eagle3Draft
 from .errors import EaglewireError, UsageError
 from .parallel import Dist
-from .taps import TapContract
+from .taps import TapContract, parse_taps
 from .train_config import PEAK_TFLOPS, TrainConfig, flops_per_token, lr_at
 from .ttt import TTTModel, TTTSpec, target_side
-from .vocab import select_draft_vocab
+from .vocab import draft_ids, select_draft_vocab
 
 TAP_STATS_TOKENS = 4096  # tokens of training data the checkpoint's tap statistics are taken over
 # Settings that change neither the batches nor the weights: a run may resume with other values.
@@ -45,20 +45,26 @@ class TrainResult:
 
 
 class _Run:
-    def __init__(self, cfg: TrainConfig, target, data, out: Path, resume: bool, progress: bool, dist: Dist):
+    def __init__(self, cfg: TrainConfig, target, data, out: Path, resume: bool, progress: bool, dist: Dist,
+                 t_start: float):
         self.cfg, self.out, self.progress, self.dist = cfg, out, progress, dist
+        self.t_start = t_start  # the time budget counts setup (loading, regeneration) too
         self.device = self.dist.device
         self.status = train_state.out_status(out, resume)
         self.dist.barrier()  # every rank has looked at --out before rank 0 writes there
         if self.status == "done":
-            return
+            return  # run() only reports the finished draft: no model, no loop state
         self.autocast = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
         self.target = target if isinstance(target, targets.Target) else targets.load_target(target, device=self.device)
         self.stack = locate(self.target.model)
+        self.head = self.stack.lm_head
+        if self.head is None:
+            raise EaglewireError(f"--target {self.target.spec}: no lm_head found: the distillation target needs it")
         self.corpus = self._corpus(data)
         self.contract = self.corpus.contract
         self.train_idx, self.eval_idx = train_data.split(self.corpus.keys, cfg.eval_fraction, cfg.seed)
         self.draft = self._draft()
+        self.draft_ids = draft_ids(self.draft.d2t)  # each draft id's target id, on the device
         self.spec = TTTSpec(cfg.ttt_steps, cfg.ttt_decay, cfg.loss)
         self.inner = TTTModel(self.draft, self.spec)
         self.model = parallel.wrap(self.inner, self.dist, cfg.fsdp)
@@ -76,6 +82,22 @@ class _Run:
         mean_len = sum(self.corpus.lengths) / len(self.corpus)
         self.flops = flops_per_token(self.draft.config, self.target.model, cfg.ttt_steps, mean_len,
                                      self.corpus.mode == "online")
+
+        # The loop's state, all of it here; a resumed run starts where the saved one stopped (and its horizon).
+        self.start, acc = self.load() if self.status == "resume" else (0, None)
+        self.acc = acc or self._fresh_acc()  # counts since the last log line, summed on the device
+        self.log = None  # the JSONL log (rank 0 only)
+        if self.dist.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.log = metrics.JsonlLog(self.out / train_state.LOG, self.start if self.status == "resume" else None)
+        self.dist.barrier()
+        self.bad = torch.zeros((), dtype=torch.bool, device=self.device)  # a non-finite value seen; no host sync
+        self.norm = torch.zeros((), device=self.device)  # the last step's gradient norm, on the device
+        self.tick, self.logged_at = t_start, self.start  # the last log line's time (reset as the loop starts), step
+        self.t_setup = 0.0  # loading, encoding, regeneration (known as the loop starts): the time budget counts it
+        self.evaluated_at = self.start - self.start % self._eval_spacing()  # where an unbroken run evaluated
+        self.t_other = self.t_train = 0.0  # seconds in evals/saves since the last log; training seconds
+        self.tokens_run = 0  # tokens this run trained on, all ranks'
 
     # -- setup ---------------------------------------------------------------------------------
     def _corpus(self, data) -> train_data.Corpus:
@@ -96,13 +118,8 @@ class _Run:
         return train_data.build_online(self.target, data, contract, cfg.max_len, cfg.gen(), self.dist, self.progress)
 
     def _draft(self) -> Eagle3Draft:
-        self.head = self.stack.lm_head
-        if self.head is None:
-            raise EaglewireError(f"--target {self.target.spec}: no lm_head found: the distillation target needs it")
         draft = self._initial_draft() if self.cfg.init_from else self._new_draft()
-        draft.to(self.device)
-        self.draft_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=self.device))
-        return draft
+        return draft.to(self.device)
 
     def _initial_draft(self) -> Eagle3Draft:
         """Fine-tuning: the checkpoint's weights, vocabulary and shape; it must fit this target and these taps."""
@@ -232,32 +249,23 @@ class _Run:
             return TrainResult(self.out, meta.metrics or {})
         from tqdm import tqdm
 
-        cfg = self.cfg
-        start, acc = self.load() if self.status == "resume" else (0, None)
-        acc = acc or self._fresh_acc()
-        if self.dist.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.log = metrics.JsonlLog(self.out / train_state.LOG, start if self.status == "resume" else None)
-        self.dist.barrier()
-        self.bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        cfg, start = self.cfg, self.start
         bar = tqdm(total=self.total, initial=start, unit="step", desc="train", file=sys.stderr,
                    disable=not (self.progress and self.dist.main), dynamic_ncols=True)
-        self.tick, self.logged_at = time.perf_counter(), start
-        self.t_setup = self.tick - self.t_start  # loading, encoding, regeneration: the time budget counts it
-        self.evaluated_at = start - start % self._eval_spacing()  # a resumed run evaluates where it would have
-        self.t_other = self.t_train = 0.0  # seconds in evals/saves since the last log; training seconds
-        self.tokens_run, done, stopped = 0, start, None
+        self.tick = time.perf_counter()
+        self.t_setup = self.tick - self.t_start
+        done, stopped = start, None
         self.inner.train()
         workers = cfg.num_workers if cfg.num_workers is not None else (4 if self.device.type == "cuda" else 0)
         steps = train_data.rank_batches(self.corpus, self.schedule.steps(start, self.total), self.dist.rank,
                                         cfg.grad_accum, workers, pin_memory=self.device.type == "cuda")
         for step, epoch, group, batches in steps:
-            self._step(step, group, batches, acc)
+            self._step(step, group, batches, self.acc)
             bar.update(1)
             done = step + 1
             if done % cfg.log_every == 0 or done == self.total:
-                stopped = self._log(done, epoch, acc, bar)
-                acc = self._fresh_acc()
+                stopped = self._log(done, epoch, self.acc, bar)
+                self.acc = self._fresh_acc()
             if done == self.total or stopped:
                 break
             t = time.perf_counter()
@@ -265,7 +273,7 @@ class _Run:
                 self._log_eval(done)
                 self.evaluated_at = done
             if self.ckpt_every and done % self.ckpt_every == 0:
-                self.save(done, acc)
+                self.save(done, self.acc)
             self.t_other += time.perf_counter() - t
         bar.close()
         return self._finish(done, stopped)
@@ -359,8 +367,9 @@ class _Run:
         model_sd, _ = parallel.full_state(self.inner, None)
         tps = self.tokens_run / self.t_train if self.t_train > 0 else None
         if self.dist.main:
-            draft = Eagle3Draft(self.draft.config)
-            draft.load_state_dict({k[len("draft."):]: v for k, v in model_sd.items() if k.startswith("draft.")})
+            draft = checkpoint.draft_from_tensors(self.draft.config, {k[len("draft."):]: v for k, v in model_sd.items()
+                                                                      if k.startswith("draft.")},
+                                                  where=f"{self.out}: the trained draft")
             training = {"config": self.cfg.to_dict(), "data": self.corpus.provenance, "steps": done,
                         "planned_steps": self.total, "lr_horizon": self.horizon, "stopped_early": stopped, "world_size": self.dist.world,
                         "flops_per_token": self.flops, "peak_tflops": PEAK_TFLOPS, "train_seconds": self.t_train,
@@ -395,8 +404,7 @@ def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = Fals
     dist, out, run = Dist.setup(cfg.device), Path(out), None
     created = not out.exists()
     try:
-        run = _Run(cfg, target, data_or_prompts, out, resume, progress, dist)
-        run.t_start = t_start
+        run = _Run(cfg, target, data_or_prompts, out, resume, progress, dist, t_start)
         return run.run()
     except BaseException:
         if run is not None and run.status == "fresh" and dist.main:
@@ -410,11 +418,9 @@ def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = Fals
 
 def config_from_args(args) -> TrainConfig:
     fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
-    if args.taps is not None and args.taps != "default":
-        try:
-            fields["taps"] = tuple(int(t) for t in args.taps.split(",") if t.strip())
-        except ValueError:
-            raise UsageError(f"--taps must be comma-separated integers (canonical taps), got {args.taps!r}") from None
+    taps = parse_taps(args.taps)  # None: the data's, or the default, known once the target's layer count is
+    if taps is not None:
+        fields["taps"] = taps
     if args.draft_config is not None:
         try:
             fields["draft_overrides"] = json.loads(args.draft_config)
@@ -446,10 +452,10 @@ def cmd_train(args) -> int:
 
 
 def register(sub) -> None:
-    from .commands import add_target_arg
+    from . import cli_args
 
     p = sub.add_parser("train", help="train an EAGLE-3 draft (training-time test) from datagen shards or online")
-    add_target_arg(p)
+    cli_args.add_target(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", metavar="DIR", help="a datagen directory (offline training)")
     src.add_argument("--prompts", metavar="FILE", nargs="+",
@@ -483,7 +489,7 @@ def register(sub) -> None:
                    "the checkpoint's deepen it, the new layers starting as the identity")
     g.add_argument("--draft-config", metavar="JSON",
                    help="other DraftConfig fields, e.g. '{\"norm_before_residual\": true}'")
-    g.add_argument("--taps", default=None, help="canonical taps (default: the data's; online 2,N//2,N-3)")
+    cli_args.add_taps(g, help="canonical taps (default: the data's; online 2,N//2,N-3)")
     g.add_argument("--init-from", metavar="CKPT",
                    help="fine-tune this native draft (its weights, vocabulary and shape) instead of a new one")
     g = p.add_argument_group("evaluation, checkpoints, logging")
@@ -494,7 +500,7 @@ def register(sub) -> None:
     g.add_argument("--log-every", type=int, help="steps between log lines (default 10)")
     g.add_argument("--seed", type=int, help="initialisation, split and batch order (default 0)")
     g = p.add_argument_group("devices")
-    g.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available; LOCAL_RANK under torchrun)")
+    cli_args.add_device(g, help="cuda, cuda:1, cpu (default: cuda if available; LOCAL_RANK under torchrun)")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="auto: bf16 autocast on CUDA, fp32 on CPU")
     g.add_argument("--fsdp", action="store_true", default=None, help="shard the draft with FSDP2 (torchrun)")
     g.add_argument("--num-workers", type=int, help="data-loading workers (default 4 on CUDA, 0 on CPU)")

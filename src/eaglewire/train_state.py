@@ -19,11 +19,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import checkpoint
-from .errors import EaglewireError, UsageError
+from . import checkpoint, files
+from .errors import UsageError
 
 RESUME = "resume-state"
 LOG = "train_log.jsonl"
@@ -76,37 +75,23 @@ def _unflatten_optim(tensors: dict, groups: list) -> dict:
 
 
 def save_state(out: Path, model_sd: dict, optim_sd: dict, rng: dict, meta: dict) -> None:
-    """Write the resume state atomically (rank 0 only)."""
-    tmp, cur, old = out / (RESUME + ".tmp"), out / RESUME, out / (RESUME + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """Write the resume state atomically (rank 0 only). The previous state waits at resume-state.old while
+    the new one is renamed in: a run killed between the two renames resumes from it (load_state)."""
     opt_tensors, groups = _flatten_optim(optim_sd)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in model_sd.items()}, str(tmp / "model.safetensors"))
-    save_file({**opt_tensors, **{f"rng/{k}": v for k, v in rng.items()}}, str(tmp / "state.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({**meta, "optimizer_param_groups": groups}, indent=1))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if cur.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(cur, old)
-    os.replace(tmp, cur)
-    shutil.rmtree(old, ignore_errors=True)
+    with files.atomic_dir(out / RESUME, tmp=out / (RESUME + ".tmp"), old=out / (RESUME + ".old")) as tmp:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in model_sd.items()},
+                  str(tmp / "model.safetensors"))
+        save_file({**opt_tensors, **{f"rng/{k}": v for k, v in rng.items()}}, str(tmp / "state.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({**meta, "optimizer_param_groups": groups}, indent=1))
 
 
 def load_state(out: Path) -> tuple[dict, dict, dict, dict]:
     """(model state, optimizer state, rng tensors, meta) of the newest complete resume state."""
     d = out / RESUME if (out / RESUME / "state.json").exists() else out / (RESUME + ".old")
-    try:
-        meta = json.loads((d / "state.json").read_text())
-        with safe_open(str(d / "model.safetensors"), framework="pt") as f:
-            model_sd = {k: f.get_tensor(k) for k in f.keys()}
-        with safe_open(str(d / "state.safetensors"), framework="pt") as f:
-            extra = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, ValueError) as e:
-        raise EaglewireError(f"{d}: unreadable resume state ({e}); delete {d} to start over") from None
-    except Exception as e:  # safetensors' own error types
-        raise EaglewireError(f"{d}: unreadable resume state ({e}); delete {d} to start over") from None
+    fix = f"the resume state is damaged: delete {d} to start over"
+    meta = files.read_json(d / "state.json", fix=fix)
+    model_sd = files.read_safetensors(d / "model.safetensors", fix=fix)
+    extra = files.read_safetensors(d / "state.safetensors", fix=fix)
     optim_sd = _unflatten_optim(extra, meta.pop("optimizer_param_groups"))
     rng = {k[len("rng/"):]: v for k, v in extra.items() if k.startswith("rng/")}
     return model_sd, optim_sd, rng, meta

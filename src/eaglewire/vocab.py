@@ -68,11 +68,18 @@ def select_draft_vocab(token_counts, size: int, always: Iterable[int] = (),
     chosen[forced] = True
     chosen[order[~chosen[order]][: size - len(forced)]] = True
     ids = chosen.nonzero().flatten()  # ascending target ids
-    return ids - torch.arange(size), chosen
+    return d2t_from_ids(ids), chosen
 
 
-def _mapped(d2t: torch.Tensor) -> torch.Tensor:
-    return torch.arange(d2t.numel()) + d2t
+def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """The draft-to-target table: LongTensor[draft_vocab], the target id of each draft id
+    (draft_id + d2t[draft_id]), on d2t's device. The one place it is computed."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+def d2t_from_ids(target_ids: torch.Tensor) -> torch.Tensor:
+    """d2t (offsets) from the target ids of draft ids 0..n-1: the inverse of draft_ids."""
+    return target_ids - torch.arange(target_ids.numel(), device=target_ids.device)
 
 
 def _looks_absolute(d: torch.Tensor, t2d: torch.Tensor | None, V: int) -> bool:
@@ -106,7 +113,7 @@ def validate_vocab(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int,
                              f"{getattr(t2d, 'dtype', type(t2d).__name__)} {tuple(getattr(t2d, 'shape', ()))}")
     d = d2t.detach().long().cpu()
     t2d = t2d.detach().cpu() if t2d is not None else None
-    ids = _mapped(d)
+    ids = draft_ids(d)
     out = (ids < 0) | (ids >= V)
     disagrees = t2d is not None and not bool(t2d[ids.clamp(0, V - 1)].all())
     if (out.any() or disagrees) and _looks_absolute(d, t2d, V):
@@ -130,7 +137,7 @@ def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Rebuild t2d from d2t alone (ModelOpt saves only d2t)."""
     validate_vocab(d2t, None, vocab_size)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[_mapped(d2t.long().cpu())] = True
+    t2d[draft_ids(d2t.long().cpu())] = True
     return t2d
 
 
@@ -139,14 +146,14 @@ def sort_d2t(d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     New draft id j is old draft id order[j]: permute the lm_head rows with `weight[order]`.
     """
-    ids = _mapped(d2t.long().cpu())
+    ids = draft_ids(d2t.long().cpu())
     order = torch.argsort(ids)
-    return ids[order] - torch.arange(ids.numel()), order
+    return d2t_from_ids(ids[order]), order
 
 
 def target_to_draft_ids(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """LongTensor[vocab_size]: the draft id of each target token, -1 outside the draft vocabulary."""
-    ids = _mapped(d2t.long().cpu())
+    ids = draft_ids(d2t.long().cpu())
     out = torch.full((vocab_size,), -1, dtype=torch.long)
     out[ids] = torch.arange(ids.numel())
     return out.to(d2t.device)

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .. import interop
+from .. import cli_args, interop
 from ..errors import EaglewireError, UsageError
 from . import engine_args as eargs
 from . import probe as probe_mod
@@ -262,10 +262,10 @@ def register(sub) -> None:
     p = sub.add_parser("doctor", help="find every known wiring fault of a draft, statically and by measurement",
                        description=f"Checks (codes): {codes}. Exit 0: no error; 1: at least one error; "
                                    "2: usage error.")
-    p.add_argument("--draft", required=True, help="draft directory: native checkpoint or any format `import` reads")
+    cli_args.add_draft(p, required=True, help="draft directory: native checkpoint or any format `import` reads")
     p.add_argument("--source", default=None, choices=list(interop.FORMATS),
                    help="the draft's format, when the files alone do not tell")
-    p.add_argument("--target", default=None, help="registry name, HF model directory or .gguf file")
+    cli_args.add_target(p, required=False, default=None, help="registry name, HF model directory or .gguf file")
     p.add_argument("--engine", default=None, choices=ENGINES, help="the engine that will serve the draft "
                    "(default: the format's engine)")
     p.add_argument("--engine-version", default=None, help="engine release (SGLang's reading of ids depends on it)")
@@ -274,15 +274,15 @@ def register(sub) -> None:
                         "when it is a single flag")
     p.add_argument("--probe", type=int, default=0, metavar="N",
                    help="measure on N distinct prompts (needs --target; 32 take a few minutes on a 2-core CPU)")
-    p.add_argument("--suite", default=None, metavar="NAME|FILE", help="the probe's prompts: a bench suite "
-                   "(mt-bench, humaneval, gsm8k) or a prompt file, continued by the target (default: 76 built-in)")
+    cli_args.add_suite(p, default=None, metavar="NAME|FILE", help="the probe's prompts: a bench suite "
+                       "(mt-bench, humaneval, gsm8k) or a prompt file, continued by the target (default: 76 built-in)")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="the probe's conversations with their written replies, measured as they are")
     p.add_argument("--probe-steps", type=int, default=7, metavar="K",
                    help="the greedy chain the acceptance length is for (default 7)")
     p.add_argument("--probe-tokens", type=int, default=128, metavar="T",
                    help="new tokens the target writes for each prompt (default 128)")
-    p.add_argument("--device", default=None, help="where the probe runs the target (default: cuda if available)")
+    cli_args.add_device(p, help="where the probe runs the target (default: cuda if available)")
     p.add_argument("--records", default=None, metavar="CKPT",
                    help="native checkpoint whose training metrics and tap statistics the probe compares against "
                         "(default: the draft itself when native)")

@@ -9,12 +9,11 @@ beside it, so the two cannot drift apart.
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import files
 from ..errors import EaglewireError
 
 SEVERITIES = ("error", "warning", "info")
@@ -92,26 +91,24 @@ class Remedy:
         """Edit the draft directory in place (atomic per file). Engine arguments are not files."""
         d = Path(draft_dir)
         if self.config_set or self.config_delete:
-            cfg = json.loads((d / "config.json").read_text())
+            cfg = files.read_json(d / "config.json", fix="repair or re-export the draft, then run the doctor again")
             for key in self.config_delete:
                 _delete(cfg, key)
             for key, value in self.config_set.items():
                 _set(cfg, key, value)
-            _atomic_write(d / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
+            files.write_json(d / "config.json", cfg)
         if self.tensors or self.renames:
-            from safetensors.torch import load_file, save_file
+            from safetensors.torch import save_file
 
             path = d / "model.safetensors"
             if not path.is_file():
                 raise EaglewireError(f"{d}: no model.safetensors to rewrite (sharded weights: re-export instead)")
-            state = load_file(str(path))
+            state = files.read_safetensors(path, fix="repair or re-export the draft, then run the doctor again")
             for old, new in self.renames.items():
                 state[new] = state.pop(old)
             state.update({k: v.contiguous() for k, v in self.tensors.items()})
-            fd, tmp = tempfile.mkstemp(dir=d, prefix=".model-", suffix=".safetensors")
-            os.close(fd)
-            save_file(state, tmp)
-            os.replace(tmp, path)
+            with files.atomic_path(path) as tmp:
+                save_file(state, str(tmp))
 
 
 def _describe_renames(renames: dict) -> list[str]:
@@ -151,13 +148,6 @@ def _delete(cfg: dict, dotted: str) -> None:
         if not isinstance(cfg, dict):
             return
     cfg.pop(last, None)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True, kw_only=True)

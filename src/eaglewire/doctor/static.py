@@ -7,11 +7,9 @@ only from eaglewire.taps (through the engine view and CONVENTIONS); this module 
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import EaglewireError
 from ..interop.common import NORM_FLAGS
-from ..vocab import t2d_from_d2t, validate_vocab
+from ..vocab import d2t_from_ids, t2d_from_d2t, validate_vocab
 from .context import Context, engine_name
 from .engine_args import with_option, with_speculative_config
 from .findings import Finding, Remedy, finding
@@ -196,7 +194,7 @@ def check_vocab(ctx: Context) -> list[Finding]:
         msg = str(e)
     remedy = None
     if "absolute target ids" in msg:
-        fixed = d2t - torch.arange(d2t.numel())
+        fixed = d2t_from_ids(d2t)  # the stored table holds target ids: make them offsets
         remedy = Remedy(tensors={"d2t": fixed.to(t["d2t"].dtype)}, why="offsets, d2t - arange(len(d2t))")
     elif t2d is not None and _valid(d2t, None, V):
         remedy = Remedy(tensors={"t2d": t2d_from_d2t(d2t, V)}, why="the mask of the target ids d2t maps to")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from .. import cli_args
 from . import EXPORT_FORMATS, FORMATS, export_draft, import_draft
 from .serve import SpecArgs
 
@@ -34,7 +35,7 @@ def cmd_import(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("export", help="export a draft for SGLang, vLLM or speculators (verified by reloading it)")
-    p.add_argument("--draft", required=True, help="native eaglewire draft checkpoint directory")
+    cli_args.add_draft(p, required=True, help="native eaglewire draft checkpoint directory")
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
     p.add_argument("--out", required=True, help="new output directory (written atomically)")
     p.add_argument("--engine-version", default=None,
@@ -51,7 +52,7 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="new native checkpoint directory")
     p.add_argument("--source", choices=list(FORMATS), default=None,
                    help="the format's origin, when the files alone do not tell (the error says when)")
-    p.add_argument("--target", default=None,
-                   help="target (registry name, HF dir, .gguf): layer count, fingerprint and embedding")
+    cli_args.add_target(p, required=False, default=None,
+                        help="target (registry name, HF dir, .gguf): layer count, fingerprint and embedding")
     p.add_argument("--engine-version", default=None, help="SGLang release the directory was made for")
     p.set_defaults(func=cmd_import)

@@ -1,22 +1,18 @@
 """What every format adapter shares: reading a draft directory, the HF-style config fields, the
-`Reading` a format's reader produces, atomic output directories, and the logits comparison.
+`Reading` a format's reader produces, building the draft from it, and the logits comparison.
 
 A format adapter never re-derives a tap index rule: ids go through `eaglewire.taps.CONVENTIONS`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from .. import files
+from ..checkpoint import draft_from_tensors
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import EaglewireError, UsageError
 from ..taps import CONVENTIONS, TapContract
@@ -64,22 +60,15 @@ def read_dir(path) -> DraftDir:
     cfile = root / CONFIG
     if not cfile.is_file():
         raise UsageError(f"{root}: no {CONFIG}; not a draft directory")
-    try:
-        config = json.loads(cfile.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{cfile}: unreadable JSON ({e})") from None
+    config = files.read_json(cfile, fix="fetch or export the draft again")
     if not isinstance(config, dict):
         raise UsageError(f"{cfile}: expected a JSON object")
-    files = sorted(root.glob("*.safetensors"))
+    found = sorted(root.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
-    try:
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                tensors.update({k: h.get_tensor(k) for k in h.keys()})
-    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise UsageError(f"{root}: unreadable safetensors file ({e})") from None
-    weights = ", ".join(f.name for f in files)
-    if not files and (root / "pytorch_model.bin").is_file():
+    for f in found:
+        tensors.update(files.read_safetensors(f, fix="fetch or export the draft again"))
+    weights = ", ".join(f.name for f in found)
+    if not found and (root / "pytorch_model.bin").is_file():
         # SafeAILab/EAGLE releases ship pickled weights; weights_only refuses anything but tensors.
         try:
             tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -201,21 +190,11 @@ def build_draft(reading: Reading, embedding: torch.Tensor | None = None) -> Eagl
             raise UsageError(f"{reading.source} draft has no embed_tokens.weight (engines take the target's): "
                              "pass --target so the target's embedding can be copied in")
         tensors["embed_tokens.weight"] = embedding.detach().to("cpu", torch.float32)
-    dtype = tensors["fc.weight"].dtype
+    dtype = tensors["fc.weight"].dtype  # one dtype for the whole draft, the fc's (sources mix them)
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-    with torch.device("meta"):
-        model = Eagle3Draft(reading.config)
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
-    if missing or unexpected:
-        raise UsageError(f"{reading.source} draft: tensors do not fit its config: missing {missing or 'none'}, "
-                         f"unexpected {unexpected or 'none'}")
-    wrong = [f"{k} {tuple(t.shape)} != {want[k]}" for k, t in tensors.items() if tuple(t.shape) != want[k]]
-    if wrong:
-        raise UsageError(f"{reading.source} draft: tensor shapes disagree with its config: {'; '.join(wrong)}")
-    model.load_state_dict(tensors, strict=True, assign=True)
-    model.embed_tokens.weight.requires_grad_(reading.config.hidden_size != reading.config.target_hidden_size)
-    return model.eval()
+    # d2t/t2d: each reader has validated (or, for the doctor, deliberately kept) them
+    return draft_from_tensors(reading.config, tensors, where=f"{reading.source} draft", config_name="its config",
+                              check_vocab=False)
 
 
 def provenance(fmt: str, convention: str, contract: TapContract, target: dict, engine_version: str | None,
@@ -225,27 +204,6 @@ def provenance(fmt: str, convention: str, contract: TapContract, target: dict, e
     return {"format": fmt, "convention": convention, "engine_version": engine_version,
             "eaglewire_version": __version__, "taps": contract.to_dict(), "target": target,
             "draft": config.to_dict()}
-
-
-@contextmanager
-def atomic_dir(out):
-    """Yield a temporary directory beside `out`; rename it to `out` on success, delete it on failure."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out}: exists and is not empty; choose a new --out directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        yield tmp
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def probe_logits(model: Eagle3Draft, seed: int = 0, T: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
