@@ -25,8 +25,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import checkpoint, interop, targets
+from .. import checkpoint, cli_args, interop, targets
 from ..errors import UsageError
+from ..files import write_json
 from ..interop.common import IDS_KEY, PROVENANCE_KEY
 from ..interop.serve import SpecArgs
 from ..taps import CONVENTIONS
@@ -303,9 +304,7 @@ def cmd_serve_check(args) -> int:
                     device=args.device)
     print(render(r))
     if args.json:
-        from ..bench_report import write_json
-
-        write_json(r, args.json)
+        write_json(args.json, r)
     if args.plot:
         plot(r, args.plot)
     return 0 if r["ok"] else 1
@@ -314,16 +313,16 @@ def cmd_serve_check(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("serve-check", help="serve the draft in the real engine (vLLM) beside eaglewire's decoder: "
                        "acceptance, greedy identity, tap wirings")
-    p.add_argument("--draft", required=True, help="native checkpoint (exported for the engine) or a vLLM export")
-    p.add_argument("--target", required=True, help="registry name or Hugging Face model directory")
+    cli_args.add_draft(p, required=True, help="native checkpoint (exported for the engine) or a vLLM export")
+    cli_args.add_target(p, help="registry name or Hugging Face model directory")
     p.add_argument("--engine", default="vllm", choices=["vllm"])
-    p.add_argument("--suite", default="mt-bench", help="mt-bench, humaneval, gsm8k or a prompt FILE")
+    cli_args.add_suite(p, default="mt-bench", help="mt-bench, humaneval, gsm8k or a prompt FILE")
     p.add_argument("--max-prompts", type=int, default=20, metavar="N")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="M")
     p.add_argument("--chain", type=int, default=7, metavar="K", help="draft tokens a step (default 7)")
     p.add_argument("--wirings", action="store_true",
                    help="serve again with every tap -1, +1 and the embedding in place of the first tap")
-    p.add_argument("--device", default=None, help="where eaglewire's decoder runs (default: cuda if available)")
+    cli_args.add_device(p, help="where eaglewire's decoder runs (default: cuda if available)")
     p.add_argument("--json", default=None, metavar="OUT")
     p.add_argument("--plot", default=None, metavar="OUT.png")
     p.set_defaults(func=cmd_serve_check)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import EaglewireError, UsageError
+from ..files import atomic_path, write_json
 
 EXTRA = "pip install 'eaglewire[vllm]'"  # vLLM 0.26.0: the last release that pins torch 2.11
 SPEC = "vllm:spec_decode_"
@@ -287,9 +288,8 @@ def capture(job: CaptureJob) -> dict:
                 states.append(got["hidden_states"])
                 cleanup_hidden_states(where)
             offsets = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
-            tmp = path.with_suffix(".tmp")
-            save_file({"hidden": torch.cat(states).contiguous(), "offsets": offsets}, str(tmp))
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                save_file({"hidden": torch.cat(states).contiguous(), "offsets": offsets}, str(tmp))
     return {"vllm_version": vllm.__version__, "files": files}
 
 
@@ -302,9 +302,7 @@ def main(argv=None) -> int:
     kind = spec.pop("kind")
     job = KINDS[kind](**spec)
     result = {"serve": serve, "regen": regenerate, "capture": capture}[kind](job)
-    tmp = Path(argv[1]).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, argv[1])
+    write_json(argv[1], result, indent=None)
     return 0
 
 
