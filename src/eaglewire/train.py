@@ -419,6 +419,7 @@ def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = Fals
 def config_from_args(args) -> TrainConfig:
     fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if getattr(args, f, None) is not None}
     taps = parse_taps(args.taps)  # None: the data's, or the default, known once the target's layer count is
+    fields.pop("taps", None)  # the string as typed ("2,15,27" or "default") is not a field value
     if taps is not None:
         fields["taps"] = taps
     if args.draft_config is not None:
