@@ -359,12 +359,12 @@ class SpecDecoder:
             if chain:
                 n, tokens = verify_chain_greedy(tree.tokens, logits)
                 return list(range(n)), tokens
-            return verify_tree_greedy(tree, logits)
+            return verify_tree_greedy(tree, logits, self.spec.depth)
         probs = logits_to_probs(logits, sampling)
         if chain:
             n, tokens = verify_chain_sampling(tree.tokens, q, probs, generator=gen)
             return list(range(n)), tokens
-        return verify_tree_sampling(tree, probs, generator=gen)
+        return verify_tree_sampling(tree, probs, gen, self.spec.depth)
 
     # -- drafting ----------------------------------------------------------------------------------
     def _draft(self, extend: dict[str, torch.Tensor], sampling: SamplingParams, gen):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .acceptance import chain_sampling_verdict, logits_to_probs, sample_with
+from .acceptance import chain_sampling_verdict, chain_verdict, logits_to_probs, tree_sampling_verdict, tree_verdict
 from .draft_runner import DraftRunner
 from .runners import TargetRunner
 from .tree import grown_nodes
@@ -177,11 +177,10 @@ class ChainRounds(_Rounds):
 
     @staticmethod
     def _verdict(feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        """Accept the longest prefix of the draft tokens equal to the target's argmax (acceptance.py's
-        greedy chain rule); row i's argmax is the token at position pos[i] + 1."""
-        best = feed["best"]
-        n = (feed["verify_ids"][0, 1:] == best[:-1]).long().cumprod(0).sum().view(1)
-        return ChainRounds._commit(feed, best[:feed["committed"].shape[1]], n)
+        """The greedy chain rule (acceptance.chain_verdict) on the target's argmax; row i's argmax is the
+        token at position pos[i] + 1."""
+        n, row = chain_verdict(feed["verify_ids"][0, 1:], feed["best"])
+        return ChainRounds._commit(feed, row[:feed["committed"].shape[1]], n)
 
     @staticmethod
     def _commit(feed: dict[str, torch.Tensor], row: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor]:
@@ -310,31 +309,25 @@ class TreeRounds(_Rounds):
         return (self.verifier._move_all({"src": feed["src"], "dst": dst}, width),)
 
     @staticmethod
-    def _verdict(feed: dict[str, torch.Tensor], depth: int) -> tuple[torch.Tensor]:
-        """acceptance.py's greedy tree rule on the device: the walk below with the target's argmax."""
-        return TreeRounds._walk(feed, feed["best"], depth)
+    def _nodes(feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The round's tree as its verdict sees it: (tokens, parents, depth) of its `budget` node slots (past
+        the pruned tree's nodes, stale slots of depth 0: never accepted)."""
+        parents = feed["parents"]
+        return feed["verify_ids"][0, 1:parents.shape[0] + 1], parents, feed["node_depth"]
 
     @staticmethod
-    def _walk(feed: dict[str, torch.Tensor], best: torch.Tensor, depth: int) -> tuple[torch.Tensor]:
-        """A node is accepted when its token is the target's choice at its parent's row (`best`, a token a
-        row: its argmax, or a draw from its distribution) and its parent is accepted; the accepted nodes
-        form one path (siblings hold distinct tokens). Row 0 is the root, row 1 + i node i."""
-        parents, node_depth = feed["parents"], feed["node_depth"]
-        n_nodes = parents.shape[0]
-        parent_row = parents + 1
-        ok = feed["verify_ids"][0, 1:n_nodes + 1] == best.index_select(0, parent_row)
-        accepted = ok
-        for _ in range(depth - 1):  # an ancestor's rejection reaches its descendants, a level each pass
-            accepted = ok & torch.cat([ok.new_ones(1), accepted]).index_select(0, parent_row)
-        most = min(depth, n_nodes)  # levels a path can reach
-        levels = torch.arange(1, most + 1, device=best.device)
-        at_level = accepted[None, :] & (node_depth[None, :] == levels[:, None])  # (levels, nodes)
-        kept = at_level.any(1)
-        n = kept.long().sum().view(1)
-        # the kept rows: the root's, then each kept level's node; a level not kept its own row index, so
-        # that the move below copies that slot onto itself
-        rows = torch.cat([levels.new_zeros(1), torch.where(kept, at_level.long().argmax(1) + 1, levels)])
-        committed = best.index_select(0, rows)  # the path's tokens and the one after them
+    def _verdict(feed: dict[str, torch.Tensor], depth: int) -> tuple[torch.Tensor]:
+        """The greedy tree rule (acceptance.tree_verdict) on the target's argmax."""
+        return TreeRounds._commit(feed, *tree_verdict(*TreeRounds._nodes(feed), feed["best"], depth))
+
+    @staticmethod
+    def _commit(feed: dict[str, torch.Tensor], n: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor
+                ) -> tuple[torch.Tensor]:
+        """A tree round's verdict kept: n accepted, committed[:n + 1] committed, the next extend's inputs,
+        the kept rows (for the taps' gather) and the move's sources, the target's position moved on. rows:
+        the root's row and each level's (a level past the path its own index, so that the move copies that
+        slot onto itself)."""
+        most = rows.shape[0] - 1  # levels a path can reach
         v_len = feed["verify_at"][:1]
         row = torch.nn.functional.pad(committed, (0, feed["committed"].shape[1] - most - 1))  # the first n + 1
         feed["committed"].index_copy_(0, feed["round"], row[None])
@@ -343,7 +336,7 @@ class TreeRounds(_Rounds):
         feed["draft_ids"][0, :most + 1].copy_(committed)  # the next extend
         feed["rows"][:most + 1].copy_(rows)
         feed["last"].copy_(n)
-        src = v_len + torch.arange(feed["move_src"].shape[0], device=best.device)  # slots onto themselves ...
+        src = v_len + torch.arange(feed["move_src"].shape[0], device=rows.device)  # slots onto themselves ...
         src[:most + 1] = v_len + rows  # ... but the kept rows', which move down to v_len, v_len + 1, ...
         feed["move_src"].copy_(src)
         feed["verify_at"].add_(n + 1)
@@ -352,7 +345,7 @@ class TreeRounds(_Rounds):
 
 class SampledTreeRounds(TreeRounds):
     """Sampled EAGLE-2 tree rounds, lossless on the device: TreeRounds' round with the target's choice at each
-    row drawn from its distribution instead of its argmax (acceptance.verify_tree_sampling's rule: draw x at a
+    row drawn from its distribution instead of its argmax (acceptance.tree_sampling_verdict: draw x at a
     node, descend into the child that holds x, else emit x). Launched by the host: the round's uniform draws,
     one a row of the tree (the order in which the synced rounds draw them, so the same seed gives the same
     tokens), and the verify's logits copied in. `gen` is the generation's generator."""
@@ -377,8 +370,9 @@ class SampledTreeRounds(TreeRounds):
         self.verdict["logits"].copy_(logits)
 
     def _verdict(self, feed: dict[str, torch.Tensor], depth: int) -> tuple[torch.Tensor]:
-        """The walk with a draw from the target's distribution at each row of the tree."""
+        """The sampled tree rule (acceptance.tree_sampling_verdict): a draw from the target's distribution at
+        each row of the tree, then the walk."""
         u = feed["u"]
-        chosen = sample_with(logits_to_probs(feed["logits"][:u.shape[0]], self.sampling), u)
-        return self._walk(feed, chosen, depth)
+        p = logits_to_probs(feed["logits"][:u.shape[0]], self.sampling)
+        return self._commit(feed, *tree_sampling_verdict(*self._nodes(feed), p, u, depth))
 
