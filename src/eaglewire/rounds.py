@@ -54,7 +54,7 @@ class _Rounds:
         return ahead * self.rows
 
     def _current(self) -> tuple:
-        return tuple(runner._static.get(key) for runner, key in self.keys)
+        return tuple(runner.function(key) for runner, key in self.keys)
 
     def start(self, feed: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Take over after a synced round: feed = (taps (n+1, nH), next tokens (n+1,)) as `_step` returns
@@ -79,12 +79,12 @@ class _Rounds:
     def _buffers(self, taps: torch.Tensor) -> None:
         """The verify's static forward (its buffers) and the extend's and verdict's common buffers."""
         d, v, rows, dev = self.drafter, self.verifier, self.rows, self.verifier.device
-        self.verify_st = v._static_size(v.sizes[0], {"ids": torch.zeros(v.sizes[0], dtype=torch.long, device=dev)})
+        self.verify_st = v.forward_function(v.sizes[0], {"ids": torch.zeros(v.sizes[0], dtype=torch.long, device=dev)})
         self.verify = self.verify_st.inputs
         # the captures below write from each runner's length on: slots nothing committed is in
         self.verify["at"].fill_(v.length)
-        extend = d._static_inputs(rows, {"ids": torch.zeros(rows, dtype=torch.long), "taps": taps[:1]}, scratch=0)
-        extend["block"].copy_(d._block(None, rows, rows, d.max_pending))  # causal
+        extend = d.static_inputs(rows, {"ids": torch.zeros(rows, dtype=torch.long), "taps": taps[:1]}, scratch=0)
+        extend["block"].copy_(d.causal_block(rows))
         extend["at"].fill_(d.length)
         extend.update(last=torch.zeros(1, dtype=torch.long, device=dev), verify_ids=self.verify["ids"])
         self.extend = extend
@@ -100,11 +100,6 @@ class _Rounds:
 
     def _more_buffers(self, taps: torch.Tensor) -> None:
         """What a kind of round needs besides the common buffers (a greedy one: nothing)."""
-
-    @staticmethod
-    def _static(runner, key: tuple, fn, inputs: dict, *args):
-        runner._static_function(key, fn, inputs, *args)
-        return runner._static[key]
 
     def queue(self, count: int) -> tuple[int, int, torch.cuda.Event | None]:
         """`count` rounds queued without a read-back, and on CUDA their verdicts' copy to pinned memory:
@@ -147,11 +142,12 @@ class ChainRounds(_Rounds):
     def _make(self, taps: torch.Tensor) -> None:
         v, rows = self.verifier, self.rows
         self._buffers(taps)
-        self.verify["block"].copy_(v._block(None, rows, rows, v.max_pending))  # causal: the chain
+        self.verify["block"].copy_(v.causal_block(rows))  # the chain
         self.verdict["verify_pos"] = self.verify["pos"]
         self._more_buffers(taps)
-        self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend, self.K - 1)
-        self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict)
+        (d, draft_key), _, (_, verdict_key) = self.keys[:3]
+        self.draft_st = d.make_function(draft_key, self._draft_round, self.extend, self.K - 1)
+        self.verdict_st = d.make_function(verdict_key, self._verdict, self.verdict)
 
     def _round(self) -> None:
         self.draft_st.run()
@@ -171,8 +167,8 @@ class ChainRounds(_Rounds):
         return (tokens,)
 
     def _chain_tokens(self, feed: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
-        """The extend and the greedy chain (DraftRunner._extend_chain): (K,) target ids."""
-        tokens, = self.drafter._extend_chain({k: t for k, t in feed.items() if k != "verify_ids"}, steps)
+        """The extend and the greedy chain (DraftRunner.extend_chain): (K,) target ids."""
+        tokens, = self.drafter.extend_chain({k: t for k, t in feed.items() if k != "verify_ids"}, steps)
         return tokens
 
     @staticmethod
@@ -198,7 +194,7 @@ class ChainRounds(_Rounds):
 
 class SampledChainRounds(ChainRounds):
     """Sampled chain-of-K rounds, lossless on the device: the draft's extend and sampled chain
-    (DraftRunner._extend_chain, sampled), the verify, the verdict (acceptance.chain_sampling_verdict), three
+    (DraftRunner.extend_chain, sampled), the verify, the verdict (acceptance.chain_sampling_verdict), three
     replays; launched by the host, the round's uniform draws (K for the draft before it, K + 1 for the
     verdict after the verify: the order in which the synced rounds draw them, so the same seed gives the
     same tokens) and the verify's logits and taps copied in. `gen` is the generation's generator."""
@@ -229,7 +225,7 @@ class SampledChainRounds(ChainRounds):
 
     def _chain_tokens(self, feed: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
         """The chain sampled, and the distributions its tokens were drawn from kept for the verdict."""
-        tokens, probs = self.drafter._extend_chain({k: t for k, t in feed.items() if k not in ("verify_ids", "probs")},
+        tokens, probs = self.drafter.extend_chain({k: t for k, t in feed.items() if k not in ("verify_ids", "probs")},
                                                    steps, self.sampling)
         feed["probs"].copy_(probs)
         return tokens
@@ -263,10 +259,11 @@ class TreeRounds(_Rounds):
         self.verdict.update(parents=self.extend["parents"], node_depth=self.extend["node_depth"],
                             rows=torch.zeros(self.rows, dtype=torch.long, device=dev), move_src=self.move["src"])
         self._more_buffers(taps)
-        self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend)
-        self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict, self.depth)
+        (d, draft_key), _, (_, verdict_key), (_, move_key) = self.keys
+        self.draft_st = d.make_function(draft_key, self._draft_round, self.extend)
+        self.verdict_st = d.make_function(verdict_key, self._verdict, self.verdict, self.depth)
         # eager inside its graph, as the synced rounds' move (runners.py): a few index copies, nothing to fuse
-        v._static[self.keys[3][1]] = self.move_st = v._make_static(self.move, lambda: self._move(self.move, width))
+        self.move_st = v.make_function(move_key, self._move, self.move, width, compile=False)
 
     def _round(self) -> None:
         self.draft_st.run()
@@ -281,14 +278,10 @@ class TreeRounds(_Rounds):
         torch.argmax(logits, -1, out=self.verdict["best"])
 
     def _draft_round(self, feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        """The extend of depth+1 rows, then the tree from row `last` (DraftRunner._tree), written as the
+        """The extend of depth+1 rows, then the tree from row `last` (DraftRunner.extend_tree), written as the
         verify's ids, positions and mask; the draft's position moved past the kept rows."""
-        d, s = self.drafter, self.drafter.book.max_len
-        logits, hidden = d._masked_forward({k: feed[k] for k in ("ids", "taps", "pos", "block", "at")}, s)
+        tokens, parents, depth, _, block, rel = self.drafter.extend_tree(feed, self.depth, self.topk, self.budget)
         last = feed["last"]
-        root = {"root": logits[0].index_select(0, last)[0], "hidden": hidden[0].index_select(0, last),
-                "pos": feed["pos"][0].index_select(0, last), "at": feed["at"][1:] + last + 1}
-        tokens, parents, depth, _, block, rel = d._tree(root, self.depth, self.topk, self.budget)
         t, ts = tokens.shape[0] + 1, feed["verify_block"].shape[0]
         feed["verify_ids"][0, :t].copy_(torch.cat([feed["ids"][0].index_select(0, last), tokens]))
         feed["verify_pos"][0, :t].copy_(feed["verify_at"][:1] + rel)
@@ -306,7 +299,7 @@ class TreeRounds(_Rounds):
         by last + 1 (the move's destination is worked out here, from what the verdict left: compiled, a
         destination the verdict copied from the position it then moved on came out moved, torch 2.13)."""
         dst = feed["verify_at"][:1] - feed["last"] - 1
-        return (self.verifier._move_all({"src": feed["src"], "dst": dst}, width),)
+        return (self.verifier.move_rows({"src": feed["src"], "dst": dst}, width),)
 
     @staticmethod
     def _nodes(feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
