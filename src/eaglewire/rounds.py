@@ -13,8 +13,13 @@ buffers, shared between them:
      verdict sampled in SampledTreeRounds),
      written as the verify's input, with the draft's position moved past the kept rows;
   2. the target's verify (its usual static forward) and, launched by the host, its argmax;
-  3. the verdict: what was accepted, the committed tokens written in the round's row, the next
-     extend's inputs, the target's position moved on (a tree also moves the accepted branch's K/V).
+  3. the verdict: what was accepted (acceptance.py's rules, the very functions the synced rounds read back),
+     the committed tokens written in the round's row, the next extend's inputs, the target's position moved
+     on (a tree also moves the accepted branch's K/V).
+
+Each replay is a static function of a runner, built from the runners' fixed-shape interface (runners.py:
+make_function, forward_function, static_inputs, causal_block, masked_forward, move_rows; draft_runner.py:
+extend_chain, extend_tree).
 
 The host queues `ahead` rounds, then reads the counts and tokens back in one go. On CUDA it queues the
 next batch before it reads one back (`queue`, then `collect`): the copy to pinned memory is ordered behind
