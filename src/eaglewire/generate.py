@@ -83,7 +83,7 @@ class TextStream:
 
 
 def draft_shape(args, device: torch.device) -> dict:
-    """SpecDecoder keywords from --chain K | --tree --depth --topk --budget; what is not given, the device's."""
+    """SpecConfig.for_device keywords from --chain K | --tree --depth --topk --budget; the rest, the device's."""
     tree = ("depth", "topk", "budget")
     tree_flags = [f"--{k}" for k in tree if getattr(args, k) is not None]
     if not args.tree and tree_flags:
