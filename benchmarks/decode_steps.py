@@ -28,11 +28,12 @@ import torch
 from eaglewire import __version__, attention, targets, tree
 from eaglewire.acceptance import SamplingParams
 from eaglewire.checkpoint import load_draft, save_draft
-from eaglewire.decode import SpecDecoder
+from eaglewire.decode import SpecConfig, SpecDecoder
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.draft_runner import DraftRunner
 from eaglewire.errors import UsageError
 from eaglewire.runners import TargetRunner
+from eaglewire.speedups import Speedups
 from eaglewire.taps import TapContract
 
 
@@ -139,7 +140,7 @@ def replays_per_round(runners, run) -> tuple[dict[str, float], object]:
 CHOICES = {"target": (True, False), "none": (False, False), "all": (True, True)}  # autotune (target's, draft's)
 
 
-ATTENTION = {"default": None, "grouped": True, "sdpa": False, "matmul": True}  # SpecDecoder(grouped_attention=...)
+ATTENTION = {"default": None, "grouped": True, "sdpa": False, "matmul": True}  # Speedups(grouped_attention=...)
 MATMUL_ROWS = 64  # --attention matmul: grouped, with verifies of up to this many rows spelt as matmuls too
 # speculation, greedy or sampled: rounds.py's rounds (as shipped: the next batch queued before a read-back), the same
 # without that overlap (each batch read back before the next is queued), or every round read back
@@ -277,8 +278,8 @@ def main(argv=None) -> int:
         if name.split()[0] not in modes:
             continue
         def make(shape=shape, **kw):
-            return SpecDecoder(t, None if shape is None else draft, None if shape is None else meta, **(shape or {}),
-                               **common, **kw)
+            return SpecDecoder(t, None if shape is None else draft, None if shape is None else meta,
+                               shape=SpecConfig.for_device(device, **(shape or {})), speedups=Speedups(**common, **kw))
         decs = {"/".join((c, at) + ((f"rounds {r}",) if len(rounds) > 1 else ())
                          + ((f"select {ts}",) if len(selects) > 1 else ())):
                 warmed(make, c, at, r, ts, ids, a.new, shape is None, sampling) for c, at, r, ts in arms}
@@ -288,7 +289,7 @@ def main(argv=None) -> int:
 
     print(f"decode rounds: {a.target} {str(dtype).split('.')[-1]} on "
           f"{torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}, compile={common['compile']}, "
-          f"autotune={a.autotune}, attention={a.attention}, fused projections={dec.fused_projections}, "
+          f"autotune={a.autotune}, attention={a.attention}, fused projections={dec.applied.fuse_projections}, "
           f"T={a.temperature}")
     w = max(24, max(map(len, rows), default=0) + 2)
     print(f"{'mode':<{w}}{'round ms':>10}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}{'accept':>8}")

@@ -29,7 +29,7 @@ import torch
 from eaglewire import __version__, datagen, metrics, prompts, recipes, targets
 from eaglewire.capture import capture, locate
 from eaglewire.checkpoint import load_draft
-from eaglewire.decode import SpecDecoder
+from eaglewire.decode import SpecConfig, SpecDecoder
 from eaglewire.suites import encode_prompt, load_suite
 from eaglewire.ttt import TTTModel, TTTSpec, target_side
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
     t = targets.load_target(a.target, device=a.device)
     draft, meta = load_draft(a.draft)
-    dec = SpecDecoder(t, draft, meta, mode="chain", K=a.chain)
+    dec = SpecDecoder(t, draft, meta, shape=SpecConfig.for_device(next(t.model.parameters()).device, K=a.chain))
     stack = locate(t.model)
     ttt = TTTModel(draft, TTTSpec(a.chain, 0.8, "soft-ce")).eval()
     ids_d = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device))

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_steps import decoder_args, load_pair  # noqa: E402
 
 from eaglewire import __version__  # noqa: E402
-from eaglewire.decode import SpecDecoder  # noqa: E402
+from eaglewire.decode import SpecConfig, SpecDecoder  # noqa: E402
+from eaglewire.speedups import Speedups  # noqa: E402
 
 KINDS = (  # the first pattern a kernel's name matches decides its kind
     ("pointwise", r"^triton_poi"),  # Inductor's pointwise kernels, whatever ops their names list
@@ -113,8 +114,9 @@ def main(argv=None) -> int:
     for name, shape in shapes.items():
         if name.split()[0] not in a.modes.split(","):
             continue
-        dec = SpecDecoder(t, None if shape is None else draft, None if shape is None else meta, **(shape or {}),
-                          static_shapes=True, compile=cuda and not a.no_compile, cuda_graphs=False)
+        dec = SpecDecoder(t, None if shape is None else draft, None if shape is None else meta,
+                          shape=SpecConfig.for_device(device, **(shape or {})),
+                          speedups=Speedups(static_shapes=True, compile=cuda and not a.no_compile))
         plain = shape is None
         for _ in range(2):  # every size compiled before anything is profiled
             (dec.generate_plain if plain else dec.generate)(ids, a.new)

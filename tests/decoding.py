@@ -6,8 +6,10 @@ import torch
 
 from eaglewire.capture import capture
 from eaglewire.checkpoint import load_draft, save_draft
+from eaglewire.decode import SpecConfig, SpecDecoder
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.runners import SlotRunner
+from eaglewire.speedups import Speedups
 from eaglewire.targets import Target, fingerprint
 from eaglewire.taps import TapContract
 from eaglewire.vocab import target_to_draft_ids
@@ -15,6 +17,18 @@ from eaglewire.vocab import target_to_draft_ids
 CONTRACT = TapContract(8, (2, 4, 8))  # tap 8: the last layer's output, through the post-hook
 CHAIN = dict(mode="chain", K=4)
 TREE = dict(mode="tree", depth=4, topk=3, budget=10)
+
+
+SHAPE_FIELDS = ("mode", "K", "depth", "topk", "budget")
+
+
+def decoder(target, draft=None, meta=None, *, strict: bool = False, **kw) -> SpecDecoder:
+    """A SpecDecoder from keywords: its shape's fields (mode, K, depth, topk, budget; the others the target
+    device's, SpecConfig.for_device) and its Speedups' fields."""
+    shape = {k: kw.pop(k) for k in SHAPE_FIELDS if k in kw}
+    device = next(target.model.parameters()).device
+    return SpecDecoder(target, draft, meta, shape=SpecConfig.for_device(device, **shape), speedups=Speedups(**kw),
+                       strict=strict)
 
 
 def as_target(model, spec="tiny") -> Target:

@@ -9,8 +9,8 @@ import transformers as tf
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from eaglewire import attention
-from eaglewire.decode import SpecDecoder
 from eaglewire.targets import Target
+from decoding import decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -132,9 +132,9 @@ def test_the_decoder_switches_its_own_copy_not_the_callers_target(grouped):
     2-core CPU (benchmarks/results/2026-11-30-run11-slots-regeneration.md)."""
     model = llama()
     target = Target(spec="tiny", model=model, tokenizer=None)
-    dec = SpecDecoder(target, fuse_projections=False, prepack=False, grouped_attention=grouped)
+    dec = decoder(target, fuse_projections=False, prepack=False, grouped_attention=grouped)
     grouped = bool(grouped)  # a CPU here
-    assert dec.grouped_attention is grouped
+    assert dec.applied.grouped_attention is grouped
     assert model.config._attn_implementation == "sdpa"
     assert (dec.plain.model.config._attn_implementation == attention.NAME) is grouped
     assert (dec.plain.model is model) is not grouped
@@ -160,6 +160,6 @@ def test_greedy_tokens_are_the_same_with_grouped_attention(static):
     model = llama()
     target = Target(spec="tiny", model=model, tokenizer=None)
     ids = torch.tensor([3, 9, 27, 5, 11])
-    runs = [SpecDecoder(target, fuse_projections=False, prepack=False, static_shapes=static, grouped_attention=g)
+    runs = [decoder(target, fuse_projections=False, prepack=False, static_shapes=static, grouped_attention=g)
             .generate_plain(ids, 12).tokens for g in (False, True)]
     assert len(runs[0]) == 12 and list(runs[0]) == list(runs[1])

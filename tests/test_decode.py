@@ -19,7 +19,7 @@ from eaglewire.compiled import CompileError
 from eaglewire.errors import UsageError
 from eaglewire.runners import SlotRunner
 from eaglewire.taps import TapContract
-from decoding import (CHAIN, CONTRACT, TREE, as_target, fake_capture, fit, launch_counter, new_draft, prompts,
+from decoding import (CHAIN, CONTRACT, TREE, as_target, decoder, fake_capture, fit, launch_counter, new_draft, prompts,
                       reference_greedy, same_samples, save_load)
 from tiny import tiny_model
 
@@ -34,7 +34,7 @@ def test_greedy_equals_target_greedy(llama, seqs, drafts, shape, static):
     acceptance is neither 0 nor 100%, so accepted, rejected and bonus paths all ran."""
     accepted = []
     for name in ("trained", "perturbed"):
-        dec = decode.SpecDecoder(llama, *drafts[name], static_shapes=static, **shape)
+        dec = decoder(llama, *drafts[name], static_shapes=static, **shape)
         for p in prompts(seqs):
             res = dec.generate(p, 32)
             assert res.tokens == reference_greedy(llama.model, p, 32), (name, p)
@@ -55,7 +55,7 @@ def test_greedy_with_a_deeper_draft_equals_target_greedy(llama, seqs, drafts, sh
     deep = save_load(deep, CONTRACT, llama, tmp_path / "deep")
     assert deep[0].config.num_layers == 2
     for static in (False, True):
-        dec = decode.SpecDecoder(llama, *deep, static_shapes=static, **shape)
+        dec = decoder(llama, *deep, static_shapes=static, **shape)
         accepted = []
         for p in prompts(seqs):
             res = dec.generate(p, 24)
@@ -75,8 +75,8 @@ def test_one_replay_drafting_drafts_what_step_by_step_drafting_does(llama, seqs,
     tree's candidates are deterministic)."""
     accepted = []
     for name in ("trained", "perturbed"):
-        exact = decode.SpecDecoder(llama, *drafts[name], static_shapes=False, **shape)
-        one = decode.SpecDecoder(llama, *drafts[name], static_shapes=True, **shape)
+        exact = decoder(llama, *drafts[name], static_shapes=False, **shape)
+        one = decoder(llama, *drafts[name], static_shapes=True, **shape)
         for p in prompts(seqs):
             a, b = exact.generate(p, 32), one.generate(p, 32)
             assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, (name, p)
@@ -99,7 +99,7 @@ def test_a_tree_drafted_with_the_top_k_by_groups_drafts_what_atens_top_k_does(ll
             monkeypatch.setattr(tree_mod, "TOPK_GROUP_DEVICES", ("cpu",))
             monkeypatch.setattr(tree_mod, "TOPK_GROUP", 16)  # 8 groups, 3 chosen
         for static in (False, True):
-            dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=static, **TREE)
+            dec = decoder(llama, *drafts["trained"], static_shapes=static, **TREE)
             runs[way, static] = [(r.tokens, r.accepted_per_step) for r in
                                  [dec.generate(p, 24) for p in prompts(seqs)[:4]] +
                                  [dec.generate(prompts(seqs)[0], 24, hot, seed=3)]]
@@ -114,8 +114,8 @@ def test_a_sampled_chain_in_one_replay_draws_what_the_steps_draw(llama, seqs, dr
     """DraftRunner.sample_chain: the K-1 feedback steps of a sampled chain as one static function, each token
     drawn with the round's uniform draw for its step (acceptance.sample_with), the same tokens and the
     same acceptance as drafting step by step with the same draws, over prompts and seeds."""
-    exact = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=False, **CHAIN)
-    one = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **CHAIN)
+    exact = decoder(llama, *drafts["perturbed"], static_shapes=False, **CHAIN)
+    one = decoder(llama, *drafts["perturbed"], static_shapes=True, **CHAIN)
     assert same_samples(exact, one, sampling, prompts(seqs)[:4], seeds=3, new=20) > 20
     assert any(k[0] == "sample_chain" for k in one.drafter._static)
 
@@ -124,7 +124,7 @@ def test_a_sampled_chain_in_one_replay_draws_what_the_steps_draw(llama, seqs, dr
 def test_greedy_after_a_prefill_in_chunks(llama, seqs, drafts, shape):
     """Prompts of 1 to 9 tokens prefilled 3 rows at a time (overlapping last chunks included), then
     decoded: target-only greedy, with the draft and without."""
-    dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    dec = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
     dec.verifier.prefill_chunk = dec.plain.prefill_chunk = 3
     for p in prompts(seqs):
         ref = reference_greedy(llama.model, p, 16)
@@ -138,19 +138,19 @@ def test_greedy_after_a_prefill_in_chunks(llama, seqs, drafts, shape):
                                    dict(mode="tree", depth=3, topk=5, budget=40)],
                          ids=["K1", "K9", "depth1", "budget3", "budget40"])
 def test_greedy_edge_shapes(llama, seqs, drafts, shape):
-    dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    dec = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
     for p in prompts(seqs)[:4]:
         assert dec.generate(p, 24).tokens == reference_greedy(llama.model, p, 24)
 
 
 def test_random_draft_and_plain_decoding(llama, seqs, drafts):
-    dec = decode.SpecDecoder(llama, *drafts["random"], **TREE)
+    dec = decoder(llama, *drafts["random"], **TREE)
     for p in prompts(seqs)[3:]:
         ref = reference_greedy(llama.model, p, 24)
         assert dec.generate(p, 24).tokens == ref
         plain = dec.generate_plain(p, 24)
         assert plain.tokens == ref and plain.num_steps == 23 and plain.accepted_per_step == []
-    no_draft = decode.SpecDecoder(llama, static_shapes=True)
+    no_draft = decoder(llama, static_shapes=True)
     assert no_draft.generate(p, 24).tokens == ref  # generate without a draft = plain decoding
 
 
@@ -168,7 +168,7 @@ def test_greedy_other_families(family, tmp_path):
     p = [3, 1, 4, 1, 5]
     ref = reference_greedy(m, p, 27)
     for shape in (CHAIN, TREE):
-        dec = decode.SpecDecoder(t, d, meta, static_shapes=True, **shape)
+        dec = decoder(t, d, meta, static_shapes=True, **shape)
         assert dec.generate(p, 27).tokens == ref
 
 
@@ -178,7 +178,7 @@ def test_fake_cuda_graphs_replay_static_buffers(llama, seqs, drafts, monkeypatch
     captured = []
     monkeypatch.setattr(SlotRunner, "_capture", lambda self, fn: fake_capture(self, fn, captured))
     for shape in (CHAIN, TREE):
-        dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+        dec = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
         for r in (dec.verifier, dec.drafter, dec.plain):
             r.cuda_graphs = True
         for p in prompts(seqs)[2:5]:  # 4, 1 and 5 (= K+1: a prefill the size of a graph) tokens
@@ -201,7 +201,7 @@ def test_a_synced_chain_round_launches_little_outside_its_replays(llama, seqs, d
     chain topology rebuilt, no host-side tensor work to commit a prefix, no sync besides the verdict's
     one read-back (.tolist(), not an op), and the verify's causal block copied in once."""
     replays, Ops = launch_counter(monkeypatch)
-    dec = decode.SpecDecoder(llama, *drafts["random"], static_shapes=True, **CHAIN)
+    dec = decoder(llama, *drafts["random"], static_shapes=True, **CHAIN)
     dec.rounds = None  # every round synced
     p = prompts(seqs)[2]
     rounds, step = [], dec._step
@@ -234,22 +234,25 @@ def test_the_drafts_steps_fused_and_grouped_propose_the_same_tokens(llama, seqs,
     """The decoder runs the draft's steps on a copy with q/k/v and gate/up fused and K/V heads read in
     place (as its target on CUDA): the same proposals, so the same acceptance, step by step (fp32);
     the caller's draft keeps its own modules."""
-    from eaglewire.draft import _Attention
+    from eaglewire.attention import GroupedDraftAttention
+    from eaglewire.draft import DraftAttention
     from eaglewire.projections import FusedFirst
 
     draft, meta = drafts["trained"]
     runs = {}
     for fast in (False, True):
-        dec = decode.SpecDecoder(llama, draft, meta, static_shapes=True, fuse_projections=fast,
-                                 grouped_attention=fast, prepack=False, **shape)
+        dec = decoder(llama, draft, meta, static_shapes=True, fuse_projections=fast,
+                      grouped_attention=fast, prepack=False, **shape)
         engine = dec.drafter.draft
-        attn = [m for m in engine.modules() if isinstance(m, _Attention)]
-        assert all(m.grouped is fast for m in attn) and any(isinstance(m, FusedFirst) for m in engine.modules()) is fast
+        attn = [m for m in engine.modules() if isinstance(m, DraftAttention)]
+        grouped = [m.inner for m in engine.modules() if isinstance(m, GroupedDraftAttention)]
+        assert attn and grouped == (attn if fast else [])  # every attention module wrapped, or none
+        assert any(isinstance(m, FusedFirst) for m in engine.modules()) is fast
         runs[fast] = [dec.generate(p, 24) for p in prompts(seqs)[:4]]
     for slow, fast in zip(runs[False], runs[True]):
         assert fast.tokens == slow.tokens and fast.accepted_per_step == slow.accepted_per_step
     assert sum(sum(r.accepted_per_step) for r in runs[True]) > 0  # the draft proposes tokens that are kept
-    assert not any(m.grouped for m in draft.modules() if isinstance(m, _Attention))
+    assert not any(isinstance(m, GroupedDraftAttention) for m in draft.modules())
     assert not any(isinstance(m, FusedFirst) for m in draft.modules())
 
 
@@ -263,7 +266,7 @@ def test_compiled_greedy_equals_target_greedy(llama, seqs, drafts):
     seen = set()
     for shape in (CHAIN, TREE):
         before = counters["stats"]["unique_graphs"]
-        dec = decode.SpecDecoder(llama, *drafts["trained"], compile=True, **shape)
+        dec = decoder(llama, *drafts["trained"], compile=True, **shape)
         assert dec.verifier.static and dec.drafter.static
         for p in ps:
             ref = reference_greedy(llama.model, p, 20)
@@ -283,7 +286,7 @@ def test_compiled_greedy_equals_target_greedy(llama, seqs, drafts):
 
 
 def test_compile_failure_is_one_clear_error(llama, drafts, monkeypatch):
-    dec = decode.SpecDecoder(llama, *drafts["trained"], compile=True, **CHAIN)
+    dec = decoder(llama, *drafts["trained"], compile=True, **CHAIN)
 
     def broken(*args):
         raise torch._dynamo.exc.TorchDynamoException("backend exploded\nlong traceback")
@@ -297,7 +300,7 @@ def test_compile_failure_is_one_clear_error(llama, drafts, monkeypatch):
 # --- stopping, streaming, accounting --------------------------------------------------------------
 
 def test_eos_max_tokens_and_stream(llama, seqs, drafts):
-    dec = decode.SpecDecoder(llama, *drafts["trained"], **CHAIN)
+    dec = decoder(llama, *drafts["trained"], **CHAIN)
     p = seqs[0][:4].tolist()
     ref = reference_greedy(llama.model, p, 30)
     eos = ref[12]
@@ -318,7 +321,7 @@ def test_eos_max_tokens_and_stream(llama, seqs, drafts):
 def test_plain_decoding_reading_tokens_back_in_chunks(llama, seqs):
     """CUDA's plain loop reads tokens back every PLAIN_AHEAD steps (set here on a CPU): the same
     tokens, EOS still cuts the output, the stream still sees every token, max tokens still holds."""
-    dec = decode.SpecDecoder(llama, static_shapes=True)
+    dec = decoder(llama, static_shapes=True)
     assert dec.plain_ahead == 1  # a CPU: no run-ahead by default
     dec.plain_ahead = decode.PLAIN_AHEAD
     p = seqs[1][:4].tolist()
@@ -340,7 +343,7 @@ def test_greedy_plain_steps_feed_themselves(llama, seqs, monkeypatch):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     replays, Ops = launch_counter(monkeypatch)
-    dec = decode.SpecDecoder(llama, static_shapes=True)
+    dec = decoder(llama, static_shapes=True)
     dec.plain_ahead = decode.PLAIN_AHEAD
     calls, greedy = [], dec.plain.greedy_steps
 
@@ -440,7 +443,7 @@ def test_sampling_is_lossless(small, shape, sampling):
     t, d, meta = small
     prompt = [1, 5, 2]
     exact = exact_marginals(t.model, prompt, sampling, 3)
-    dec = decode.SpecDecoder(t, d, meta, **shape)
+    dec = decoder(t, d, meta, **shape)
     counts, accepted = sample_counts(dec, prompt, sampling, 3, trials=600)
     assert 0 < sum(accepted) / len(accepted) < 1.5  # drafts accepted and rejected
     for i in range(3):
@@ -466,7 +469,7 @@ def test_sampling_test_catches_a_broken_verifier(small, monkeypatch, broken):
     monkeypatch.setattr(decode, "verify_chain_sampling", accept_all if broken == "accept_all" else no_residual)
     sampling = SAMPLINGS[0]
     exact = exact_marginals(t.model, [1, 5, 2], sampling, 2)
-    counts, _ = sample_counts(decode.SpecDecoder(t, d, meta, mode="chain", K=2), [1, 5, 2], sampling, 2, trials=1000)
+    counts, _ = sample_counts(decoder(t, d, meta, mode="chain", K=2), [1, 5, 2], sampling, 2, trials=1000)
     assert chi2_pvalue(counts[1], exact[1]) < 1e-4
 
 
@@ -482,17 +485,17 @@ def test_mismatched_draft_and_target(llama, drafts, tmp_path):
                       ("vocab_size", {**COMMON, "vocab_size": 96})]:
         other = as_target(tf.LlamaForCausalLM(tf.LlamaConfig(**cfg)).eval(), "other")
         with pytest.raises(UsageError, match=what):
-            decode.SpecDecoder(other, d, meta)
+            decoder(other, d, meta)
     # same shapes, other weights: a warning, an error with strict
     same_shape = as_target(tiny_model("llama", seed=5), "retrained")
     with pytest.warns(UserWarning, match="weights_hash"):
-        dec = decode.SpecDecoder(same_shape, d, meta)
+        dec = decoder(same_shape, d, meta)
     assert any("weights_hash" in w for w in dec.warnings)
     with pytest.raises(UsageError, match="weights_hash.*strict"):
-        decode.SpecDecoder(same_shape, d, meta, strict=True)
+        decoder(same_shape, d, meta, strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the matching target: no warning at all
-        decode.SpecDecoder(llama, d, meta)
+        decoder(llama, d, meta)
 
 
 @pytest.mark.parametrize("call, msg", [
@@ -503,7 +506,7 @@ def test_mismatched_draft_and_target(llama, drafts, tmp_path):
     (lambda dec: dec.generate([1, 128], 5), "0..127"),
 ])
 def test_bad_generate_input(llama, drafts, call, msg):
-    dec = decode.SpecDecoder(llama, *drafts["random"])
+    dec = decoder(llama, *drafts["random"])
     with pytest.raises(UsageError, match=msg):
         call(dec)
 
@@ -513,19 +516,19 @@ def test_bad_decoder_settings(llama, drafts, small):
     for kw, msg in [(dict(mode="beam"), "mode"), (dict(K=0), "K must be"), (dict(mode="tree", budget=0), "budget"),
                     (dict(cuda_graphs=True), "CUDA device")]:
         with pytest.raises(UsageError, match=msg):
-            decode.SpecDecoder(llama, d, meta, **kw)
+            decoder(llama, d, meta, **kw)
     with pytest.raises(UsageError, match="metadata"):
-        decode.SpecDecoder(llama, d, None)
+        decoder(llama, d, None)
     t, sd, smeta = small
     with pytest.raises(UsageError, match="topk 7 exceeds the draft vocabulary"):
-        decode.SpecDecoder(t, sd, smeta, mode="tree", topk=7)
+        decoder(t, sd, smeta, mode="tree", topk=7)
 
 
 def test_shape_left_out_is_the_devices(llama, drafts):
     """K, depth, topk, budget not given: decode.DEFAULT_SHAPES for the target's device (a CPU's here)."""
     d, meta = drafts["random"]
     assert decode.SpecDecoder(llama, d, meta).spec == decode.SpecConfig(mode="chain", K=2, depth=4, topk=3, budget=8)
-    tree = decode.SpecDecoder(llama, d, meta, mode="tree", budget=5).spec
+    tree = decoder(llama, d, meta, mode="tree", budget=5).spec  # SpecConfig.for_device
     assert (tree.mode, tree.depth, tree.topk, tree.budget) == ("tree", 4, 3, 5)
 
 
@@ -566,7 +569,7 @@ def test_captured_functions_never_read_the_device(llama, seqs, drafts, monkeypat
     monkeypatch.setattr(SlotRunner, "_make_static", tracing)
     nucleus = SamplingParams(temperature=0.9, top_p=0.8, top_k=20)  # sampled rounds: top-p ranks the vocabulary
     for shape in (CHAIN, TREE):
-        dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+        dec = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
         for p in prompts(seqs)[:2]:
             assert dec.generate(p, 24).tokens == reference_greedy(llama.model, p, 24)
             dec.generate(p, 24, nucleus, seed=0)

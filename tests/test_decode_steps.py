@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 
-import eaglewire.decode as decode
 from eaglewire.acceptance import SamplingParams
 from eaglewire.runners import SlotRunner
-from decoding import CHAIN, TREE, fake_capture, prompts, reference_greedy
+from decoding import CHAIN, TREE, decoder, fake_capture, prompts, reference_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from decode_steps import generation, replays_per_round, warmed  # noqa: E402
@@ -24,7 +23,7 @@ def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, 
     monkeypatch.setattr(SlotRunner, "_capture", fake_capture)
     p = prompts(seqs)[0]
     for shape in (CHAIN, TREE):
-        dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+        dec = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
         for r in (dec.verifier, dec.drafter):
             r.cuda_graphs = True
         dec.generate(p, 16)  # every size met is captured
@@ -62,14 +61,14 @@ def test_kernel_kinds_of_names_an_h200_profile_showed():
 def test_a_rounds_kernels_are_the_long_profile_less_the_short_one(llama, seqs, drafts):
     """Per round: a long generation's operators less a short one's, over the rounds between (CPU: operators)."""
     p = prompts(seqs)[0]
-    dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **CHAIN)
+    dec = decoder(llama, *drafts["trained"], static_shapes=True, **CHAIN)
     dec.generate(p, 24)
     row = per_round(dec, p, 6, 24, plain=False)
     assert row["rounds"] > 0
     kinds = by_kind(row)
     assert kinds["matmul"]["calls"] > 0 and kinds["attention"]["calls"] > 0
     assert sum(v["calls"] for v in kinds.values()) == pytest.approx(sum(c for c, _ in row["kernels"].values()))
-    plain = per_round(decode.SpecDecoder(llama, static_shapes=True), p, 6, 24, plain=True)
+    plain = per_round(decoder(llama, static_shapes=True), p, 6, 24, plain=True)
     assert plain["rounds"] == 18  # a plain round is one token
 
 
@@ -79,7 +78,7 @@ def test_sampled_arms_make_the_same_tokens(llama, seqs, drafts):
     hot, p = SamplingParams(temperature=1.0), prompts(seqs)[0]
     for shape in (CHAIN, TREE):
         def make(**kw):
-            return decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **shape, **kw)
+            return decoder(llama, *drafts["perturbed"], static_shapes=True, **shape, **kw)
         on = warmed(make, "none", "default", "on", "ours", p, 16, False, hot)
         off = warmed(make, "none", "default", "off", "ours", p, 16, False, hot)
         assert on.sample_in_rounds and off.rounds is None and not off.sample_in_rounds

@@ -6,11 +6,10 @@ noise where unpaired intervals cannot."""
 import pytest
 import torch
 
-from eaglewire.decode import SpecDecoder
 from eaglewire.doctor import chain, paired
 from eaglewire.doctor.probe_inputs import capture_states
 
-from decoding import CONTRACT, prompts
+from decoding import CONTRACT, decoder, prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -18,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("K", [1, 3, 5])
 def test_the_replayed_chain_walks_the_decoders_rounds(llama, drafts, seqs, K):
     draft, meta = drafts["trained"]
-    dec = SpecDecoder(llama, draft, meta, mode="chain", K=K, prepack=False, fuse_projections=False)
+    dec = decoder(llama, draft, meta, mode="chain", K=K, prepack=False, fuse_projections=False)
     compared = accepted = 0
     for p in prompts(seqs):
         res = dec.generate(torch.tensor(p), 30)

@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-import eaglewire.decode as decode
 from eaglewire import prepack
 from eaglewire.errors import UsageError
 
 from tiny import tiny_model
-from decoding import CHAIN, TREE, as_target, prompts, reference_greedy
+from decoding import CHAIN, TREE, as_target, decoder, prompts, reference_greedy
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")]
@@ -47,21 +46,22 @@ def test_prepacked_model_matches_and_shares_everything_but_the_packing(llama, pa
 
 def test_small_layers_stay_dense(llama, drafts):  # noqa: F811
     assert prepack.prepacked(llama.model) is llama.model  # hidden 32: nothing is large enough
-    assert not decode.SpecDecoder(llama, *drafts["trained"], **CHAIN).prepack
+    assert not decoder(llama, *drafts["trained"], **CHAIN).applied.prepack
     big = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.LayerNorm(1536), torch.nn.Linear(1536, 8))
     packed = prepack.prepacked(big)
     assert type(packed[0]) is prepack.PackedLinear and type(packed[2]) is torch.nn.Linear
 
 
 def test_decoder_packs_on_cpu_fp32_unless_told_or_compiling(llama, seqs, drafts, pack_all):  # noqa: F811
-    on = decode.SpecDecoder(llama, *drafts["trained"], **CHAIN)
-    off = decode.SpecDecoder(llama, *drafts["trained"], prepack=False, **TREE)
-    assert on.prepack and not off.prepack
-    assert not decode.SpecDecoder(llama, *drafts["trained"], compile=True, **CHAIN).prepack
+    on = decoder(llama, *drafts["trained"], **CHAIN)
+    off = decoder(llama, *drafts["trained"], prepack=False, **TREE)
+    assert on.applied.prepack and not off.applied.prepack
+    assert not decoder(llama, *drafts["trained"], compile=True, **CHAIN).applied.prepack
     assert type(on.verifier.model.lm_head) is prepack.PackedLinear
     assert type(on.drafter.draft.lm_head) is prepack.PackedLinear
     assert type(off.verifier.model.lm_head) is torch.nn.Linear
-    assert off.linears is None and set(on.linears) >= {"32x128", "96x32"}  # the target lm_head, the draft fc
+    # the target lm_head, the draft fc
+    assert off.applied.linears is None and set(on.applied.linears) >= {"32x128", "96x32"}
     # timed at the rows each runs: a step, the verify (K+1), PACK_ROWS; the draft's extends and steps
     assert set(on.verifier.model.lm_head.dense_at) == {1, CHAIN["K"] + 1, prepack.PACK_ROWS}
     assert set(on.drafter.draft.lm_head.dense_at) == {1, CHAIN["K"] + 1, prepack.PACK_ROWS}
@@ -74,8 +74,8 @@ def test_prepack_refuses_what_it_cannot_pack():
     assert not prepack.available(torch.device("cpu"), torch.bfloat16)
     t = as_target(tiny_model("llama").to(torch.bfloat16))
     with pytest.raises(UsageError, match="prepack needs an fp32 target on a CPU"):
-        decode.SpecDecoder(t, prepack=True)
-    assert not decode.SpecDecoder(t).prepack  # auto: off for bf16
+        decoder(t, prepack=True)
+    assert not decoder(t).applied.prepack  # auto: off for bf16
 
 
 def test_each_layer_calls_the_linear_this_machine_runs_faster(monkeypatch, pack_all):

@@ -4,12 +4,11 @@ caller's model alone, and decode greedily token for token like the target (also 
 import pytest
 import torch
 
-import eaglewire.decode as decode
 from eaglewire import projections
 from eaglewire.projections import FusedFirst, FusedSlice
 
 from tiny import tiny_model
-from decoding import CHAIN, TREE, prompts, reference_greedy
+from decoding import CHAIN, TREE, decoder, prompts, reference_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,9 +46,9 @@ def test_a_model_without_groups_is_returned_as_is():
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_fused_decoding_is_greedy_exact(llama, seqs, drafts, compile):  # noqa: F811
     for shape in (CHAIN, TREE):
-        dec = decode.SpecDecoder(llama, *drafts["trained"], fuse_projections=True, compile=compile,
-                                 static_shapes=compile, **shape)
-        assert dec.fused_projections
+        dec = decoder(llama, *drafts["trained"], fuse_projections=True, compile=compile,
+                      static_shapes=compile, **shape)
+        assert dec.applied.fuse_projections
         for p in prompts(seqs)[:3]:
             assert dec.generate(p, 24).tokens == reference_greedy(llama.model, p, 24), (shape, compile)
 

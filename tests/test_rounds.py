@@ -4,10 +4,9 @@ verdict back (decode.py's synced path)."""
 import pytest
 import torch
 
-import eaglewire.decode as decode
 from eaglewire.acceptance import SamplingParams
 import eaglewire.runners as runners
-from decoding import CHAIN, TREE, counted_queues, launch_counter, prompts, reference_greedy, same_samples
+from decoding import CHAIN, TREE, counted_queues, decoder, launch_counter, prompts, reference_greedy, same_samples
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,8 +24,8 @@ def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts
     replays, Ops = launch_counter(monkeypatch)
     monkeypatch.setattr(runners, "CACHE_ROUNDING", 64)  # so that a longer generation grows the caches
     monkeypatch.setattr(runners.TargetRunner, "prefill_chunk", 32)
-    fast = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
-    synced = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    fast = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    synced = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
     synced.rounds = None
     fast.rounds_ahead, fast.rounds_overlap = ahead, overlap
     reads = counted_queues(monkeypatch, fast.rounds, replays, Ops)
@@ -81,8 +80,8 @@ def test_sampled_rounds_commit_what_synced_sampled_rounds_do(llama, seqs, drafts
     acceptance, round by round (fp32). A chain round is three replays, two draws and two copies; a tree
     round four replays, one draw, the logits' copy and the taps' gather."""
     replays, Ops = launch_counter(monkeypatch)
-    fast = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **shape)
-    synced = decode.SpecDecoder(llama, *drafts["perturbed"], static_shapes=True, **shape)
+    fast = decoder(llama, *drafts["perturbed"], static_shapes=True, **shape)
+    synced = decoder(llama, *drafts["perturbed"], static_shapes=True, **shape)
     synced.sample_in_rounds = False
     fast.rounds_overlap = overlap
     hot = SamplingParams(temperature=1.2, top_k=12)
@@ -123,8 +122,8 @@ def test_overlapped_read_backs_through_pinned_mirrors(llama, seqs, drafts, monke
             self.waited = True
 
     monkeypatch.setattr(rounds_mod.torch.cuda, "Event", Event)
-    fast = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
-    synced = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    fast = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
+    synced = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
     synced.rounds = None
     fast.rounds_ahead, fast.rounds_overlap = 2, True
     p = prompts(seqs)[0]
@@ -146,8 +145,8 @@ def test_verifies_spelt_as_matmuls_keep_greedy_tokens(llama, seqs, drafts, monke
     import eaglewire.attention as attention
 
     monkeypatch.setattr(attention, "MATMUL_MAX_ROWS", 64)
-    dec = decode.SpecDecoder(llama, *drafts["trained"], static_shapes=True, grouped_attention=True, **shape)
-    assert dec.grouped_attention
+    dec = decoder(llama, *drafts["trained"], static_shapes=True, grouped_attention=True, **shape)
+    assert dec.applied.grouped_attention
     for p in prompts(seqs)[:2]:
         assert dec.generate(p, 24).tokens == reference_greedy(llama.model, p, 24), p
 

@@ -92,7 +92,7 @@ def test_layers_share_one_arena_and_a_kept_branch_moves_in_every_layer(family):
     # layer 1 as a layer of another shape would be: buffers of its own
     layers[1].keys, layers[1].values, layers[1].own = layers[1].keys.clone(), layers[1].values.clone(), True
     ops = []
-    r._move_all = (lambda move: lambda feed, width: ops.append(1) or move(feed, width))(r._move_all)
+    r.move_rows = (lambda move: lambda feed, width: ops.append(1) or move(feed, width))(r.move_rows)
     r.forward({"ids": torch.tensor([10, 11, 12, 13])}, r.length + torch.tensor([0, 1, 1, 2]), tree_block([-1, 0, 0, 1]))
     r.commit([0, 2])  # keep 10, 12: the slot of 12 moves down over 11's, in the arena and in layer 1
     assert ops == [1]
@@ -162,7 +162,7 @@ def test_only_single_row_forwards_are_autotuned(monkeypatch):
     calls = []
 
     def spy(kind):
-        return lambda feed, view_len: calls.append((kind, feed["pos"].shape[1])) or r._masked_forward(feed, view_len)
+        return lambda feed, view_len: calls.append((kind, feed["pos"].shape[1])) or r.masked_forward(feed, view_len)
 
     r._compiled, r._compiled_untuned = spy("tuned"), spy("untuned")
     r.prefill_chunk = 4

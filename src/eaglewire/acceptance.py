@@ -8,9 +8,12 @@ one target forward over [root] + draft tokens):
     target row 1 + i   = the target's output at draft token / tree node i: the distribution of
                          the token that follows it (for the last chain token: the bonus token).
 
-Every function returns what it accepted (a count, or a tree's node path) and the tokens the round
-commits, read back to the host in one copy: the accepted draft tokens and ONE more token (the
-correction or the bonus), so a round always commits n_accepted + 1 tokens.
+Each rule is written once, on the device, as a function with no read-back and no control flow that
+depends on the data (`chain_verdict`, `chain_sampling_verdict`, `tree_verdict`, `tree_sampling_verdict`):
+rounds.py calls them inside its CUDA graphs. The verify_* functions are the same rules for decode.py's
+synced rounds: the verdict read back to the host in one copy, as what was accepted (a count, or a tree's
+node path) and the tokens the round commits: the accepted draft tokens and ONE more token (the correction
+or the bonus), so a round always commits n_accepted + 1 tokens.
 
 Two proposal kinds need two different rules to be lossless (the emitted tokens have exactly the
 target's sampling distribution):
@@ -128,8 +131,7 @@ def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor)
     """
     k = draft_tokens.shape[0]
     _check_rows(target_logits, k + 1, "target_logits")
-    best = target_logits.argmax(-1)  # (K+1,)
-    return _first_mismatch(draft_tokens, best)
+    return _chain_read_back(*chain_verdict(draft_tokens, target_logits.argmax(-1)))
 
 
 def verify_chain_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
@@ -145,21 +147,62 @@ def verify_chain_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor 
     k = draft_tokens.shape[0]
     _check_rows(target_probs, k + 1, "target_probs")
     if draft_probs is None:  # point-mass proposals: sample the target at every row, accept while equal
-        return _first_mismatch(draft_tokens, _sample_rows(target_probs, generator))
+        return _chain_read_back(*chain_verdict(draft_tokens, _sample_rows(target_probs, generator)))
     _check_rows(draft_probs, k, "draft_probs")
     u = torch.rand(k + 1, generator=generator, device=target_probs.device)
-    n, row = chain_sampling_verdict(draft_tokens.to(target_probs.device), draft_probs, target_probs, u)
-    (n,), row = _read_back(n, row)
-    return n, row[:n + 1]
+    return _chain_read_back(*chain_sampling_verdict(draft_tokens.to(target_probs.device), draft_probs, target_probs, u))
+
+
+def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor, max_depth: int | None = None
+                       ) -> tuple[list[int], list[int]]:
+    """Greedy tree verification.
+
+    target_logits (n+1, V): row 0 at the root, row 1 + i at node i (tree_attention's order).
+    Returns (path, tokens): path = accepted node indices from depth 1 down (the longest
+    root-to-node path whose tokens all equal the target's argmax); tokens = theirs, then the
+    target's argmax after the last accepted node (after the root if path is empty). max_depth: a
+    bound on the tree's depth the caller knows (fewer passes of `tree_verdict`); None: its node count.
+    """
+    _check_rows(target_logits, tree.num_nodes + 1, "target_logits")
+    return _tree_read_back(*tree_verdict(tree.tokens, tree.parents, tree.depth, target_logits.argmax(-1),
+                                         max_depth or tree.num_nodes))
+
+
+def verify_tree_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None = None,
+                         max_depth: int | None = None) -> tuple[list[int], list[int]]:
+    """Lossless tree verification for DETERMINISTIC candidates (EAGLE-2 top-k trees, see above).
+
+    target_probs (n+1, V) from `logits_to_probs`, rows as in verify_tree_greedy. At each node on
+    the way down, draw x from its target row; descend into the child whose token is x, else stop
+    and emit x. Returns (path, tokens) like verify_tree_greedy.
+    """
+    _check_rows(target_probs, tree.num_nodes + 1, "target_probs")
+    u = torch.rand(target_probs.shape[0], generator=generator, device=target_probs.device)
+    return _tree_read_back(*tree_sampling_verdict(tree.tokens, tree.parents, tree.depth, target_probs, u,
+                                                  max_depth or tree.num_nodes))
+
+
+# --- the rules on the device ------------------------------------------------------------------------
+# One function per rule, no read-back and no control flow that depends on the data: the synced rounds
+# (decode.py, through the verify_* functions above) and the rounds that never wait (rounds.py, inside
+# their CUDA graphs) call the same ones.
+
+def chain_verdict(draft_tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy chain rule: accept while draft_tokens[i] == chosen[i]. draft_tokens (K,); chosen (K+1,) the
+    target's token at each row: its argmax (greedy), or a draw from its distribution (the lossless rule for
+    point-mass proposals). Returns (n (1,), row (K+1,) = chosen): row[:n] the accepted tokens, row[n] the
+    correction or the bonus."""
+    k = draft_tokens.shape[0]
+    n = (draft_tokens.to(chosen.device) == chosen[:k]).long().cumprod(0).sum().view(1)
+    return n, chosen
 
 
 def chain_sampling_verdict(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                            u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify_chain_sampling`'s rule on the device, with its K + 1 uniform draws given: accept token i while
+    """The sampled chain rule (speculative sampling), with its K + 1 uniform draws given: accept token i while
     u[i] * q_i(x_i) < p_i(x_i) (probability min(1, p/q); never a token the target cannot emit), then draw
     the correction from norm(max(p_n - q_n, 0)), or the bonus from p_K, with u[K] (`sample_with`).
-    Returns (n (1,), row (K + 1,)): row[:n] the accepted draft tokens, row[n] the drawn one. No read-back,
-    so a static function (a CUDA graph) can run it."""
+    Returns (n (1,), row (K + 1,)): row[:n] the accepted draft tokens, row[n] the drawn one."""
     k = draft_tokens.shape[0]
     idx = draft_tokens.long()[:, None]
     p = target_probs[:k].gather(1, idx).squeeze(1)  # (K,)
@@ -173,28 +216,37 @@ def chain_sampling_verdict(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     return n, torch.cat([draft_tokens.long(), drawn]).index_copy(0, n, drawn)
 
 
-def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Greedy tree verification.
+def tree_verdict(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, chosen: torch.Tensor,
+                 max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The greedy tree rule (DraftTree's fields, nodes (N,)): a node is accepted when its token is chosen[row of
+    its parent] and its parent is accepted; chosen (N+1,) the target's token at each row (row 0 the root, row
+    1 + i node i): its argmax (greedy), or a draw from its distribution (the lossless rule for EAGLE-2's
+    deterministic candidates, `tree_sampling_verdict`). Siblings hold distinct tokens, so the accepted nodes
+    form one path. max_depth bounds the tree's depth (L = min(max_depth, N) levels).
+    Returns (n (1,), rows (L+1,), committed (L+1,)): rows[:n+1] the root's row and the path's, level by level
+    (a level past the path: its own index, L+1 entries whatever n); committed = chosen[rows], whose first
+    n + 1 are the path's tokens and the token after them. Padding nodes of depth 0 are never accepted."""
+    n_nodes = parents.shape[0]
+    parent_row = parents + 1
+    ok = tokens.to(chosen.device) == chosen.index_select(0, parent_row)
+    accepted = ok
+    for _ in range(max_depth - 1):  # an ancestor's rejection reaches its descendants, a level each pass
+        accepted = ok & torch.cat([ok.new_ones(1), accepted]).index_select(0, parent_row)
+    most = min(max_depth, n_nodes)  # levels a path can reach
+    levels = torch.arange(1, most + 1, device=chosen.device)
+    at_level = accepted[None, :] & (depth[None, :] == levels[:, None])  # (levels, nodes)
+    kept = at_level.any(1)
+    n = kept.long().sum().view(1)
+    rows = torch.cat([levels.new_zeros(1), torch.where(kept, at_level.long().argmax(1) + 1, levels)])
+    return n, rows, chosen.index_select(0, rows)
 
-    target_logits (n+1, V): row 0 at the root, row 1 + i at node i (tree_attention's order).
-    Returns (path, tokens): path = accepted node indices from depth 1 down (the longest
-    root-to-node path whose tokens all equal the target's argmax); tokens = theirs, then the
-    target's argmax after the last accepted node (after the root if path is empty).
-    """
-    _check_rows(target_logits, tree.num_nodes + 1, "target_logits")
-    return _walk(tree, target_logits.argmax(-1))
 
-
-def verify_tree_sampling(tree: DraftTree, target_probs: torch.Tensor,
-                         generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
-    """Lossless tree verification for DETERMINISTIC candidates (EAGLE-2 top-k trees, see above).
-
-    target_probs (n+1, V) from `logits_to_probs`, rows as in verify_tree_greedy. At each node on
-    the way down, draw x from its target row; descend into the child whose token is x, else stop
-    and emit x. Returns (path, tokens) like verify_tree_greedy.
-    """
-    _check_rows(target_probs, tree.num_nodes + 1, "target_probs")
-    return _walk(tree, _sample_rows(target_probs, generator))
+def tree_sampling_verdict(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+                          target_probs: torch.Tensor, u: torch.Tensor, max_depth: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampled tree rule: draw x at every row (N+1 rows of target_probs, one uniform draw u each, in row
+    order: `sample_with`), then `tree_verdict`'s walk: descend into the child that holds x, else emit x."""
+    return tree_verdict(tokens, parents, depth, sample_with(target_probs, u), max_depth)
 
 
 def _check_rows(t: torch.Tensor, rows: int, name: str) -> None:
@@ -218,26 +270,13 @@ def _read_back(*tensors: torch.Tensor) -> list[list[int]]:
     return out
 
 
-def _first_mismatch(draft_tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[int, list[int]]:
-    """Accept while draft_tokens[i] == chosen[i]; return (n, chosen[:n + 1]). chosen is (K+1,)."""
-    chosen, drafted = _read_back(chosen, draft_tokens.to(chosen.device))
-    n = 0
-    for d in drafted:
-        if d != chosen[n]:
-            break
-        n += 1
-    return n, chosen[:n + 1]  # the accepted tokens are the chosen ones
+def _chain_read_back(n: torch.Tensor, row: torch.Tensor) -> tuple[int, list[int]]:
+    """A chain verdict on the host: (n, the n + 1 committed tokens)."""
+    (n,), row = _read_back(n, row)
+    return n, row[:n + 1]
 
 
-def _walk(tree: DraftTree, chosen: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Descend from the root while some child's token equals chosen[row]; chosen is (n+1,)."""
-    chosen, parents, tokens = _read_back(chosen, tree.parents.to(chosen.device), tree.tokens.to(chosen.device))
-    children: dict[tuple[int, int], int] = {}  # (parent row, token) -> first such child
-    for i, (par, tok) in enumerate(zip(parents, tokens)):
-        children.setdefault((par + 1, tok), i)
-    path, row, emitted = [], 0, []
-    while (child := children.get((row, chosen[row]))) is not None:
-        path.append(child)
-        emitted.append(chosen[row])  # the child's own token
-        row = child + 1
-    return path, emitted + [chosen[row]]
+def _tree_read_back(n: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor) -> tuple[list[int], list[int]]:
+    """A tree verdict on the host: (the accepted node indices, the n + 1 committed tokens)."""
+    (n,), rows, committed = _read_back(n, rows, committed)
+    return [r - 1 for r in rows[1:n + 1]], committed[:n + 1]

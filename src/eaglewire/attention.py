@@ -1,4 +1,4 @@
-"""Grouped-query attention that reads each K/V head in place (batchgen.py; the decoder's target on request).
+"""Grouped-query attention that reads each K/V head in place (batchgen.py; the decoder's models on request).
 
 transformers' sdpa path (5.17 and 5.24) gives a masked forward K/V for every query head: `repeat_kv`
 copies each K/V head once per query head that shares it. Only 5.24's uncompiled single-row call packs
@@ -102,3 +102,19 @@ def groups(model: torch.nn.Module) -> int:
     if getattr(cfg, "_attn_implementation", None) != NAME:
         return 1
     return cfg.num_attention_heads // cfg.num_key_value_heads
+
+
+class GroupedDraftAttention(torch.nn.Module):
+    """A draft attention module (draft.DraftAttention) whose query heads share K/V heads, attending through
+    `grouped_attention` under a mask (each K/V head read in place) instead of repeating each K/V head per query
+    head: what the decoder's target does through `grouped_sdpa`. Wrapped around the decoder's copy of the draft
+    from outside (speedups.py); without a mask (a training forward) it is the module's own attention."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, cos, sin, cache, mask):
+        q, k, v = self.inner.qkv(x, cos, sin, cache)
+        out = self.inner.attend(q, k, v, mask) if mask is None else grouped_attention(q, k, v, mask)
+        return self.inner.output(out)

@@ -9,9 +9,9 @@ Runs, timed prompt by prompt, each run in turn, after a warm-up of each (`run_pr
 the warm-up compiles them, and a size first met while timed is counted in `graphs_compiled_while_timed`.
 On a CPU in fp32 they run oneDNN-packed linear layers (prepack.py; "+onednn" in the run's name), while
 (a) keeps transformers' own: the engines differ in their matrix kernels too, and (b) shows by how much.
-`fuse_projections` (on: SpecDecoder's default, targets up to 1B parameters) runs (b) and (c) with
-q/k/v and gate/up as one matmul each ("+fused"; projections.py). `grouped_attention` (None: SpecDecoder's
-default, on for CUDA) runs a target whose query heads share K/V heads through attention.py ("+grouped").
+`fuse_projections` (on: the decoder's default, targets up to 1B parameters; speedups.py) runs (b) and (c)
+with q/k/v and gate/up as one matmul each ("+fused"; projections.py). `grouped_attention` (None: the
+decoder's default, on for CUDA) runs a target whose query heads share K/V heads through attention.py ("+grouped").
 Greedy speculation on static shapes runs rounds that never wait for the host ("+rounds"; rounds.py).
 `--shapes` times several draft shapes against one run without a draft instead (shapes.py).
 
@@ -48,6 +48,7 @@ from .draft_runner import DraftRunner
 from .errors import EaglewireError, UsageError
 from .parallel import pick_device
 from .runners import TargetRunner
+from .speedups import Speedups
 
 PROGRESS_EVERY_S = 10.0  # a line at most this often while the runs are timed
 TIE_GAP = 1e-3  # fp32 top-2 logit gap below which a greedy divergence is rounding, not a bug
@@ -186,15 +187,17 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     """(name, run, decoder) for our decoder, with the draft or without speculation (same engine)."""
     from torch._dynamo.utils import counters
 
-    from .decode import SpecDecoder
+    from .decode import SpecConfig, SpecDecoder
 
-    shape = {"K": cfg.chain} if cfg.mode == "chain" else {k: getattr(cfg, k) for k in ("depth", "topk", "budget")}
-    graphs = cfg.cuda_graphs and device.type == "cuda"
+    shape = SpecConfig(mode=cfg.mode, K=cfg.chain, depth=cfg.depth, topk=cfg.topk, budget=cfg.budget)
+    # True asks for the device's choice (None), False turns a speed-up off
+    speedups = Speedups(cuda_graphs=cfg.cuda_graphs and device.type == "cuda", compile=cfg.compiles(device),
+                        prepack=None if cfg.prepack else False,
+                        fuse_projections=None if cfg.fuse_projections else False,
+                        grouped_attention=cfg.grouped_attention)
     # The pair check (taps, hidden size, vocab, fingerprint) runs here, before anything is timed.
-    dec = SpecDecoder(target, draft if speculate else None, meta if speculate else None, mode=cfg.mode,
-                      cuda_graphs=graphs, compile=cfg.compiles(device), prepack=None if cfg.prepack else False,
-                      fuse_projections=None if cfg.fuse_projections else False,
-                      grouped_attention=cfg.grouped_attention, **shape)
+    dec = SpecDecoder(target, draft if speculate else None, meta if speculate else None, shape=shape,
+                      speedups=speedups)
     greedy = cfg.sampling.greedy
 
     def run(ids: torch.Tensor, max_new: int, seed: int = 0) -> Generation:
@@ -212,8 +215,9 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
                            else f"tree-d{cfg.depth}-k{cfg.topk}-b{cfg.budget}")
     # rounds that never wait for the host (rounds.py): greedy, and sampled where the decoder samples in rounds
     rounds = speculate and dec.rounds is not None and (greedy or dec.sample_in_rounds)
-    return name + ("+compile" if cfg.compiles(device) else "") + ("+onednn" if dec.prepack else "") + \
-        ("+fused" if dec.fused_projections else "") + ("+grouped" if dec.grouped_attention else "") + \
+    done = dec.applied
+    return name + ("+compile" if cfg.compiles(device) else "") + ("+onednn" if done.prepack else "") + \
+        ("+fused" if done.fuse_projections else "") + ("+grouped" if done.grouped_attention else "") + \
         ("+rounds" if rounds else ""), run, dec
 
 
@@ -381,7 +385,7 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
 
     result = build_result(cfg, t, meta, sp, prompts, gens, {k: r[0] for k, r in runners.items()}, device, dtype)
     result["warnings"] = list(runners["spec"][2].warnings)
-    result["settings"]["linears"] = runners["spec"][2].linears
+    result["settings"]["linears"] = runners["spec"][2].applied.linears
     if json_out:
         write_json(result, json_out)
     if plot:

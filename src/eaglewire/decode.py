@@ -1,17 +1,29 @@
 """`SpecDecoder`: a target plus an EAGLE-3 draft, chain or EAGLE-2 tree drafting, batch size 1.
 
+Which file does what:
+
+  decode.py        the loop: prefill, then rounds until EOS or the token limit (`SpecDecoder`);
+  acceptance.py    the rules: what a round accepts, greedy and lossless sampling, chain and tree, each
+                   written once for both kinds of round;
+  tree.py          EAGLE-2 trees: grow, prune, their attention masks;
+  runners.py       the static-shape forwards: slot KV caches, padded fixed sizes, compiled functions and
+  draft_runner.py  CUDA graphs (the target's and the draft's), and the drafting loops as one replay each;
+  rounds.py        the device-resident rounds: the same round with its verdict kept on the device;
+  speedups.py      the speed-ups (fused projections, prepacking, grouped attention, compile, CUDA graphs),
+                   applied from outside the models in one ordered function.
+
 One round (`_step`), after a prefill that ran the target over the prompt and chose the first token:
 
-  1. extend the draft with what the target committed last round: the taps of those positions with
-     the tokens that follow them (docs/ARCHITECTURE.md "Token alignment");
-  2. draft a chain of K tokens, or a tree (top-k children per depth, the best top-k expanded,
-     pruned to `budget` nodes by cumulative log-prob: EAGLE-2). With static shapes either is ONE
-     function of the draft runner (one CUDA-graph replay on a GPU), not a host loop over steps;
-  3. verify all of it in ONE target forward with the tree attention mask; acceptance.py decides
-     (greedy: exact; sampling: lossless);
-  4. commit the accepted path in both KV caches (runners.py: slot caches, nothing to roll back).
+  1. draft: extend the draft with what the target committed last round (the taps of those positions with
+     the tokens that follow them: docs/ARCHITECTURE.md "Token alignment"), then a chain of K tokens, or a
+     tree (top-k children per depth, the best top-k expanded, pruned to `budget` nodes by cumulative
+     log-prob: EAGLE-2). With static shapes either is ONE function of the draft runner (one CUDA-graph
+     replay on a GPU), not a host loop over steps;
+  2. verify all of it in ONE target forward with the tree attention mask;
+  3. accept: acceptance.py decides (greedy: exact; sampling: lossless), read back in one copy;
+  4. commit the accepted path in both KV caches (slot caches: nothing to roll back).
 
-Greedy decoding on static shapes keeps the verdict on the device after its first round and reads
+Greedy and sampled decoding on static shapes keep the verdict on the device after the first round and read
 several rounds back at once (rounds.py): the GPU never waits for the host between rounds.
 
 `generate_plain` (and `generate` without a draft) runs the same engine one target step per token:
@@ -26,21 +38,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import attention, projections
-from . import prepack as packing
 from .acceptance import (SamplingParams, logits_to_probs, sample_with, verify_chain_greedy, verify_chain_sampling,
                          verify_tree_greedy, verify_tree_sampling)
-from .draft import grouped_copy
 from .draft_runner import DraftRunner
 from .errors import UsageError
 from .rounds import ROUNDS_AHEAD, ChainRounds, SampledChainRounds, SampledTreeRounds, TreeRounds
 from .runners import TargetRunner
-from .targets import compare_fingerprints, shared_copy
+from .speedups import Speedups, apply
+from .targets import compare_fingerprints
 from .tree import DraftTree, grow, prune, tree_attention
 
 MODES = ("chain", "tree")
 PLAIN_AHEAD = 8  # plain decoding on CUDA: steps queued between read-backs (generate_plain)
-FUSE_MAX_PARAMS = 1_000_000_000  # fused projections by default up to this target size (see SpecDecoder)
 GREEDY = SamplingParams()
 # Fingerprint fields a draft can differ in and still run (a fine-tuned or re-quantized target, another
 # chat template): a warning, an error with strict. Any other difference is always an error.
@@ -88,6 +97,12 @@ class SpecConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UsageError(f"speculative decoding: {name} must be an integer >= 1, got {v!r}")
+
+    @classmethod
+    def for_device(cls, device: torch.device, mode: str = "chain", *, K: int | None = None, depth: int | None = None,
+                   topk: int | None = None, budget: int | None = None) -> "SpecConfig":
+        """The shape with each field not given (None) taken from DEFAULT_SHAPES for the device (fill_shape)."""
+        return cls(mode=mode, **fill_shape(torch.device(device), K=K, depth=depth, topk=topk, budget=budget))
 
     @property
     def levels(self) -> int:
@@ -138,94 +153,52 @@ def check_pair(target, draft, meta, strict: bool = False) -> list[str]:
 class SpecDecoder:
     """Speculative decoding with an EAGLE-3 draft (or, draft=None, plain decoding on the same engine).
 
-    dec = SpecDecoder(target, draft, meta, mode="tree", depth=6, topk=8, budget=63)
+    dec = SpecDecoder(target, draft, meta, shape=SpecConfig.for_device(device, "tree", depth=6, topk=8, budget=63),
+                      speedups=Speedups(cuda_graphs=True, compile=True))
     res = dec.generate(input_ids, 256, SamplingParams(temperature=0), eos_ids=[2], stream=print)
 
-    K, depth, topk and budget left out take DEFAULT_SHAPES for the target's device.
-
-    static_shapes pads every step to fixed sizes over the whole cache, as CUDA graphs need (on by
-    itself with cuda_graphs or compile; on a CPU it checks that logic). compile runs both models'
-    static forwards through torch.compile (inductor fuses the many small kernels of a decoder layer;
-    with cuda_graphs the compiled forward is what the graph captures). prepack (None: on for fp32
-    on a CPU, off with compile) runs both models on copies whose linear layers use oneDNN-packed
-    weights (prepack.py). fuse_projections runs the target on a copy whose q/k/v and gate/up
-    projections are one matmul each (projections.py): fewer kernels a step, which inductor does not
-    merge by itself (SmolLM2-135M, a plain step: H200 compiled 1.51 -> 1.21 ms; 2-core CPU within
-    noise). None: on for targets up to FUSE_MAX_PARAMS, whose steps are bound by their kernel
-    count; the copy holds those projections twice, which a big target cannot spare.
-    grouped_attention runs a target whose query heads share K/V heads through attention.grouped_sdpa (each K/V
-    head read in place) instead of transformers' sdpa, which copies the K/V for every query head. None: on for a
-    CUDA target, where it won every round on the H200 (plain step 1.104 -> 1.046 ms, chain and tree rounds by
-    1-3%); not on a CPU, where it was mixed (2-core: plain 22.1 -> 22.5 ms, chain 3 33.3 -> 31.9 ms;
-    benchmarks/results/2026-11-30-run11-slots-regeneration.md). The draft's steps follow both choices on a copy
-    of their own (draft.grouped_copy, projections.fused): they too are bound by kernel count.
-    device/dtype move the target (and the draft follows the target).
+    shape: what a round drafts (SpecConfig); None: DEFAULT_SHAPES' chain for the target's device. speedups: what
+    is applied to the models and runners (speedups.py; the defaults: the device's choices, no compile, no
+    graphs); what was, in `applied`. The draft follows the target's device and dtype; a bad pair raises
+    UsageError, a softer fingerprint difference warns (`warnings`), or raises with strict.
     """
 
-    def __init__(self, target, draft=None, meta=None, *, mode: str = "chain", K: int | None = None,
-                 depth: int | None = None, topk: int | None = None, budget: int | None = None, device=None,
-                 dtype=None, cuda_graphs: bool = False, static_shapes: bool = False, compile: bool = False,
-                 prepack: bool | None = None, fuse_projections: bool | None = None,
-                 grouped_attention: bool | None = None, strict: bool = False):
+    def __init__(self, target, draft=None, meta=None, *, shape: SpecConfig | None = None,
+                 speedups: Speedups = Speedups(), strict: bool = False):
         p = next(target.model.parameters())
-        self.spec = SpecConfig(mode=mode, **fill_shape(torch.device(device) if device is not None else p.device,
-                                                       K=K, depth=depth, topk=topk, budget=budget))
-        self.target, self.draft = target, draft
-        if device is not None or dtype is not None:
-            target.model.to(device=device, dtype=dtype)
-            p = next(target.model.parameters())
+        self.spec = s = SpecConfig.for_device(p.device) if shape is None else shape
+        if not isinstance(s, SpecConfig) or not isinstance(speedups, Speedups):
+            raise UsageError(f"SpecDecoder: shape must be a SpecConfig and speedups a Speedups, got "
+                             f"{type(s).__name__} and {type(speedups).__name__}")
+        self.target, self.draft, self.speedups = target, draft, speedups
         self.device, self.vocab = p.device, target.config.vocab_size
-        if cuda_graphs and p.device.type != "cuda":
-            raise UsageError(f"CUDA graphs need the target on a CUDA device, it is on {p.device}")
         self.context = getattr(target.config, "max_position_embeddings", None)
         self.plain_ahead = PLAIN_AHEAD if p.device.type == "cuda" else 1  # a CPU runs each op as issued
-        graphs = dict(static=static_shapes, cuda_graphs=cuda_graphs, compile=compile)
-        # auto: not with compile, whose inductor lays weights out itself (and cannot trace oneDNN tensors)
-        can_pack = packing.available(p.device, p.dtype)
-        if prepack and not can_pack:
-            raise UsageError(f"prepack needs an fp32 target on a CPU with oneDNN; it is {p.dtype} on {p.device}")
-        pack = can_pack and not compile if prepack is None else prepack
-        fuse = fuse_projections if fuse_projections is not None else \
-            sum(q.numel() for q in target.model.parameters()) <= FUSE_MAX_PARAMS
-        fused = projections.fused(target.model) if fuse else target.model
-        self.fused_projections = fused is not target.model  # False when the model has no such group
-        s = self.spec
-        verify = (s.K + 1 if s.mode == "chain" else s.budget + 1) if draft is not None else None
-        # timed at each row count it will run (prepack.py): a step, the verify, PACK_ROWS for prefills
-        rows = (1, packing.PACK_ROWS) + ((verify,) if verify else ())
-        model = packing.prepacked(fused, rows) if pack else fused
-        self.prepack = model is not fused  # False too when no layer is large enough to pack
-        self.linears = packing.choices(model)  # which of MKL and oneDNN each packed shape calls
-        self.grouped_attention = False  # stays so without shared K/V heads or sdpa
-        grouped = grouped_attention if grouped_attention is not None else p.device.type == "cuda"
-        if grouped:
-            own = model if model is not target.model else shared_copy(model)  # its config changes
-            self.grouped_attention = attention.use_grouped(own)
-            model = own if self.grouped_attention else model
-        self.plain = TargetRunner(model, None, sizes=(1,), **graphs)
         self.warnings: list[str] = []
+        verify = sizes = pending = None
+        if draft is not None:
+            if meta is None:
+                raise UsageError("SpecDecoder: a draft needs its checkpoint metadata (load_draft returns both)")
+            self.warnings = check_pair(target, draft, meta, strict)
+            for w in self.warnings:
+                warnings.warn(w, stacklevel=2)
+            if s.mode == "tree" and s.topk > draft.config.draft_vocab_size:
+                raise UsageError(f"--topk {s.topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size} "
+                                 "tokens)")
+            draft.to(device=p.device, dtype=p.dtype).eval()
+            if s.mode == "chain":  # a verify of [root] + K; draft extends of up to K+1 rows, then single steps
+                verify, sizes, pending = s.K + 1, (1, s.K + 1), s.K - 1
+            else:  # a verify of [root] + budget; extends of up to depth+1 rows, then frontiers of topk
+                verify, sizes, pending = s.budget + 1, (s.topk, s.depth + 1), (s.depth - 1) * s.topk
+        model, engine_draft, self.applied = apply(target.model, draft, speedups, verify_rows=verify,
+                                                  draft_rows=sizes or ())
+        runs = speedups.runner_options  # compile and CUDA graphs: the runners' (speedups.py, step 4)
+        self.plain = TargetRunner(model, None, sizes=(1,), **runs)
         if draft is None:
             return
-        if meta is None:
-            raise UsageError("SpecDecoder: a draft needs its checkpoint metadata (load_draft returns both)")
-        self.warnings = check_pair(target, draft, meta, strict)
-        for w in self.warnings:
-            warnings.warn(w, stacklevel=2)
-        if s.mode == "tree" and s.topk > draft.config.draft_vocab_size:
-            raise UsageError(f"--topk {s.topk} exceeds the draft vocabulary ({draft.config.draft_vocab_size} tokens)")
-        draft.to(device=p.device, dtype=p.dtype).eval()
-        # the draft's steps are as bound by their kernel count as the target's: the same fusions
-        engine_draft = projections.fused(draft) if fuse else draft
-        engine_draft = grouped_copy(engine_draft) if grouped else engine_draft
-        if s.mode == "chain":  # extends of up to K+1 rows, then single steps
-            sizes, pending = (1, s.K + 1), s.K - 1
-        else:  # extends of up to depth+1 rows, then frontiers of topk
-            sizes, pending = (s.topk, s.depth + 1), (s.depth - 1) * s.topk
-        engine_draft = packing.prepacked(engine_draft, (1, packing.PACK_ROWS, *sizes)) if self.prepack else engine_draft
-        self.linears = packing.choices(model, engine_draft)
         self.draft_ids = torch.arange(draft.config.draft_vocab_size, device=p.device) + draft.d2t  # -> target id
-        self.verifier = TargetRunner(model, meta.contract, sizes=(verify,), **graphs)
-        self.drafter = DraftRunner(engine_draft, sizes=sizes, max_pending=pending, **graphs)
+        self.verifier = TargetRunner(model, meta.contract, sizes=(verify,), **runs)
+        self.drafter = DraftRunner(engine_draft, sizes=sizes, max_pending=pending, **runs)
         # greedy rounds on static shapes go on without waiting for the host (rounds.py)
         self.rounds = None if not self.drafter.static else ChainRounds(self.drafter, self.verifier, s.K) \
             if s.mode == "chain" else TreeRounds(self.drafter, self.verifier, s.depth, s.topk, s.budget)
@@ -331,26 +304,28 @@ class SpecDecoder:
             out.add(new.tolist())  # the sync
         return out.result(None, 0)
 
-    # -- one round ---------------------------------------------------------------------------------
+    # -- one round: draft -> verify -> accept -> commit ---------------------------------------------------
     def _step(self, feed, sampling: SamplingParams, gen):
-        """Extend the draft, draft, verify in one target forward, commit. Returns (accepted node
-        indices, committed tokens (accepted + 1 more), (taps, next tokens) for the next extend).
-        The root, the last committed token, is the last of the next tokens."""
+        """One round that reads its verdict back. feed = (taps, next tokens): what the target committed last
+        round, for the draft's extend; the root (the last committed token) is the last of the next tokens.
+        Returns (accepted node indices, committed tokens (accepted + 1 more), the next round's feed)."""
         taps, next_ids = feed
-        tree, q, attn = self._draft({"ids": next_ids, "taps": taps}, sampling, gen)
-        v = self.verifier
-        ids = torch.cat([next_ids[-1:], tree.tokens])  # [root] + nodes
-        if self.spec.mode == "chain":  # a chain's tree mask is causal: the runner's cached block
-            logits, taps = v.forward({"ids": ids}, v.length, copy=False)
-        else:
-            block, rel = attn  # (n+1, n+1), depth offsets
-            logits, taps = v.forward({"ids": ids}, v.length + rel, block, copy=False)
-        path, tokens = self._accept(tree, q, logits, sampling, gen)
-        rows = [0] + [1 + i for i in path]
-        v.commit(rows)
+        tree, q, attn = self._draft({"ids": next_ids, "taps": taps}, sampling, gen)  # draft_runner.py, tree.py
+        logits, taps = self._verify(next_ids[-1:], tree, attn)  # runners.py
+        path, tokens = self._accept(tree, q, logits, sampling, gen)  # acceptance.py
+        rows = [0] + [1 + i for i in path]  # the root's row and the accepted nodes'
+        self.verifier.commit(rows)  # the draft's rows were never kept (_draft): its next extend rewrites them
         # a chain, or a tree's first nodes: a slice, no gather
         taps = taps[:len(rows)] if path == list(range(len(path))) else taps[rows]
         return path, tokens, (taps, torch.tensor(tokens, device=self.device))
+
+    def _verify(self, root: torch.Tensor, tree: DraftTree, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """[root] + the tree's nodes through the target in ONE forward: (logits, taps) at every row."""
+        v, ids = self.verifier, torch.cat([root, tree.tokens])
+        if self.spec.mode == "chain":  # a chain's tree mask is causal: the runner's cached block
+            return v.forward({"ids": ids}, v.length, copy=False)
+        block, rel = attn  # (n+1, n+1), depth offsets
+        return v.forward({"ids": ids}, v.length + rel, block, copy=False)
 
     def _accept(self, tree: DraftTree, q, logits, sampling: SamplingParams, gen) -> tuple[list[int], list[int]]:
         """acceptance.py's verdict: (accepted node indices, the tokens to commit), one read-back."""
@@ -359,12 +334,12 @@ class SpecDecoder:
             if chain:
                 n, tokens = verify_chain_greedy(tree.tokens, logits)
                 return list(range(n)), tokens
-            return verify_tree_greedy(tree, logits)
+            return verify_tree_greedy(tree, logits, self.spec.depth)
         probs = logits_to_probs(logits, sampling)
         if chain:
             n, tokens = verify_chain_sampling(tree.tokens, q, probs, generator=gen)
             return list(range(n)), tokens
-        return verify_tree_sampling(tree, probs, generator=gen)
+        return verify_tree_sampling(tree, probs, gen, self.spec.depth)
 
     # -- drafting ----------------------------------------------------------------------------------
     def _draft(self, extend: dict[str, torch.Tensor], sampling: SamplingParams, gen):

@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import grouped_attention
 from .errors import EaglewireError, UsageError
-from .targets import shared_copy, text_config
+from .targets import text_config
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
                 "relu": F.relu}
@@ -274,8 +273,9 @@ class _MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _Attention(nn.Module):
-    grouped = False  # decoding: K/V heads read in place (attention.py), set on the decoder's copy (grouped_copy)
+class DraftAttention(nn.Module):
+    """A draft layer's attention: `qkv`, `attend`, `output`. The decoder may run a copy of the draft whose
+    attention modules attend otherwise (speedups.py, attention.GroupedDraftAttention): nothing here switches."""
 
     def __init__(self, c: DraftConfig, in_features: int, layer: int):
         super().__init__()
@@ -286,6 +286,10 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache, mask):
+        return self.output(self.attend(*self.qkv(x, cos, sin, cache), mask))
+
+    def qkv(self, x, cos, sin, cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, in) -> q (B, nh, T, hd) and k, v (B, nkv, S, hd): rotated, the cache's keys and values first."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
@@ -293,17 +297,22 @@ class _Attention(nn.Module):
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(self.layer, k, v)  # (B, nkv, S, hd): cached keys, then the new ones
-        if self.grouped and mask is not None and self.nh != self.nkv:
-            out = grouped_attention(q, k, v, mask)
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        return q, k, v
+
+    def attend(self, q, k, v, mask) -> torch.Tensor:
+        """(B, nh, T, hd): sdpa under `mask` (None: causal over the last T of S positions)."""
+        T = q.shape[2]
         if self.nh != self.nkv:  # grouped-query attention
             k, v = (t.repeat_interleave(self.nh // self.nkv, dim=1) for t in (k, v))
         S = k.shape[2]
         if mask is None and S == T:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
-        else:
-            mask = causal_mask(T, S, x.device) if mask is None else mask
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        mask = causal_mask(T, S, q.device) if mask is None else mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """(B, nh, T, hd) -> (B, T, H) through o_proj."""
+        B, _, T, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -315,7 +324,7 @@ class _FirstLayer(nn.Module):
         self.norm_before_residual = c.norm_before_residual
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = _Attention(c, 2 * c.hidden_size, 0)
+        self.self_attn = DraftAttention(c, 2 * c.hidden_size, 0)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
 
@@ -333,26 +342,13 @@ class _Layer(nn.Module):
     def __init__(self, c: DraftConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = _Attention(c, c.hidden_size, layer)
+        self.self_attn = DraftAttention(c, c.hidden_size, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
 
     def forward(self, h, cos, sin, cache, mask):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-def grouped_copy(draft: nn.Module) -> nn.Module:
-    """A copy of `draft` (tensors shared) whose attention reads each K/V head in place under a mask, as
-    the decoder's target does on CUDA: no K/V copy per query head in each draft step. The draft itself
-    when its heads do not share K/V heads."""
-    if not any(isinstance(m, _Attention) and m.nh != m.nkv for m in draft.modules()):
-        return draft
-    out = shared_copy(draft)
-    for m in out.modules():
-        if isinstance(m, _Attention):
-            m.grouped = True
-    return out
 
 
 class Eagle3Draft(nn.Module):

@@ -8,7 +8,7 @@ import torch
 
 from .acceptance import logits_to_probs, sample_with
 from .kv_slots import DraftSlotCache, Slots
-from .runners import SlotRunner, _Static
+from .runners import SlotRunner, StaticFunction
 from .tree import DraftTree, grow, prune, tree_attention
 
 
@@ -32,7 +32,7 @@ class DraftRunner(SlotRunner):
         return self.draft(inputs["ids"], hidden, pos, cache=self.kv, attn_mask=mask)
 
     def _one_function(self, key: tuple, fn, *args, root: torch.Tensor, hidden: torch.Tensor, position: int,
-                      start: int, scratch: int, **more: torch.Tensor) -> _Static:
+                      start: int, scratch: int, **more: torch.Tensor) -> StaticFunction:
         """fn(inputs, *args) over fixed buffers {root, hidden (1, H), pos (1,), at (1,) = first slot
         written, and `more`}, compiled if the runner compiles, made once per key; the buffers filled for
         this call. The capture's writes land in the last `scratch` slots."""
@@ -41,7 +41,7 @@ class DraftRunner(SlotRunner):
             s, dev = self.book.max_len, self.device
             inputs = {k: torch.zeros_like(t, device=dev) for k, t in given.items()}
             inputs.update(pos=torch.zeros(1, dtype=torch.long, device=dev), at=torch.tensor([s - scratch], device=dev))
-            self._static_function(key, fn, inputs, *args)
+            self.make_function(key, fn, inputs, *args)
         st = self._static[key]
         for k, t in given.items():
             st.inputs[k].copy_(t)
@@ -64,9 +64,9 @@ class DraftRunner(SlotRunner):
         assert self.length + ts + steps <= self.book.max_len, "reset() with a larger capacity"
         key = ("extend_chain", ts, tuple(sorted(inputs)), steps)
         if key not in self._static:
-            buffers = self._static_inputs(ts, inputs, scratch=ts + steps)
+            buffers = self.static_inputs(ts, inputs, scratch=ts + steps)
             buffers["last"] = torch.zeros(1, dtype=torch.long, device=self.device)
-            self._static_function(key, self._extend_chain, buffers, steps)
+            self.make_function(key, self.extend_chain, buffers, steps)
         st = self._static[key]
         self._fill(st, inputs, self.length, None, t, ts)
         st.inputs["last"].fill_(t - 1)
@@ -74,13 +74,14 @@ class DraftRunner(SlotRunner):
         self.length, self.pending = self.length + t, steps  # the extend's rows kept, the chain's pending
         return tokens
 
-    def _extend_chain(self, feed: dict[str, torch.Tensor], steps: int, sampling=None) -> tuple[torch.Tensor, ...]:
-        """The extend's forward, then the chain from its row `last`: greedy (sampling None), or sampled (rounds.py's
-        sampled rounds: the first token drawn from the draft's distribution there with feed["u"][0], `steps`
-        more with u[1:]). Returns ((1 + steps,) target ids,) and, sampled, the (1 + steps, Vd) distributions
-        they were drawn from."""
+    def extend_chain(self, feed: dict[str, torch.Tensor], steps: int, sampling=None) -> tuple[torch.Tensor, ...]:
+        """Traceable (the body of extend_greedy_chain's static function and of rounds.py's chain rounds): the
+        extend's forward over `static_inputs` buffers plus last (1,), then the chain from its row `last`: greedy
+        (sampling None), or sampled (the first token drawn from the draft's distribution there with
+        feed["u"][0], `steps` more with u[1:]). Returns ((1 + steps,) target ids,) and, sampled, the
+        (1 + steps, Vd) distributions they were drawn from."""
         last = feed["last"]  # (1,): the extend's last real row
-        logits, hidden = self._masked_forward({k: v for k, v in feed.items() if k not in ("last", "u")},
+        logits, hidden = self.masked_forward({k: v for k, v in feed.items() if k not in ("last", "u")},
                                               self.book.max_len)
         row = logits[0].index_select(0, last)
         if sampling is None:
@@ -156,6 +157,19 @@ class DraftRunner(SlotRunner):
         out = st.run()
         self.pending += rows
         return DraftTree(*out[:4]), out[4], out[5]
+
+    def extend_tree(self, feed: dict[str, torch.Tensor], depth: int, topk: int, budget: int
+                    ) -> tuple[torch.Tensor, ...]:
+        """Traceable (the body of rounds.py's tree rounds): the extend's forward over `static_inputs` buffers
+        (ids, taps, pos, block, at) plus last (1,), then `tree`'s EAGLE-2 tree from its row `last`, the
+        tree's rows written after the extend's. Returns `tree`'s tensors: the pruned tree's tokens, parents,
+        depth and scores, its verify block (n+1, n+1) and depth offsets (n+1,)."""
+        logits, hidden = self.masked_forward({k: feed[k] for k in ("ids", "taps", "pos", "block", "at")},
+                                             self.book.max_len)
+        last = feed["last"]
+        root = {"root": logits[0].index_select(0, last)[0], "hidden": hidden[0].index_select(0, last),
+                "pos": feed["pos"][0].index_select(0, last), "at": feed["at"][1:] + last + 1}
+        return self._tree(root, depth, topk, budget)
 
     def _tree(self, feed: dict[str, torch.Tensor], depth: int, topk: int, budget: int) -> tuple[torch.Tensor, ...]:
         s, dev, start = self.book.max_len, self.device, feed["at"]

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from .decode import SpecConfig, SpecDecoder, default_shape, default_shape_text, fill_shape
+from .decode import SpecConfig, SpecDecoder, default_shape_text, fill_shape
 from .errors import UsageError
 from .parallel import pick_device
+from .speedups import Speedups
 from .targets import DTYPES, eos_ids
 
 
@@ -80,7 +81,7 @@ class TextStream:
 
 
 def draft_shape(args, device: torch.device) -> dict:
-    """SpecDecoder keywords from --chain K | --tree --depth --topk --budget; what is not given, the device's."""
+    """SpecConfig.for_device keywords from --chain K | --tree --depth --topk --budget; the rest, the device's."""
     tree = ("depth", "topk", "budget")
     tree_flags = [f"--{k}" for k in tree if getattr(args, k) is not None]
     if not args.tree and tree_flags:
@@ -95,7 +96,7 @@ def cmd_generate(args) -> int:
 
     device = pick_device(args.device)
     shape = draft_shape(args, device)
-    SpecConfig(**{**default_shape(device), **shape})  # bad shapes fail before anything loads
+    spec = SpecConfig.for_device(device, **shape)  # bad shapes fail before anything loads
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.draft is None and not args.no_spec:
         raise UsageError("--draft CKPT is required (or --no-spec to decode with the target alone)")
@@ -112,9 +113,10 @@ def cmd_generate(args) -> int:
     ids = encode(target.tokenizer, prompt=args.prompt, messages=messages, raw=args.raw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # printed below, one line each
-        dec = SpecDecoder(target, draft, meta, **shape, strict=args.strict,
-                          cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs, compile=args.compile,
-                          prepack=False if args.no_prepack else None)
+        speedups = Speedups(cuda_graphs=device.type == "cuda" and not args.no_cuda_graphs, compile=args.compile,
+                            prepack=False if args.no_prepack else None)
+        dec = SpecDecoder(target, draft, meta, shape=spec, speedups=speedups,
+                          strict=args.strict)
     for w in dec.warnings:
         print(f"eaglewire generate: warning: {w}", file=sys.stderr)
     stream = TextStream(target.tokenizer)

@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers for fp32 decoding on a CPU (`SpecDecoder(prepack=...)`).
+"""oneDNN-packed linear layers for fp32 decoding on a CPU (`Speedups(prepack=...)`, speedups.py).
 
 On a CPU, `nn.Linear` hands each call to MKL, which lays the weights out again every time; for
 the few rows a decode step has that costs the memory bandwidth the step is bound by. Measured on

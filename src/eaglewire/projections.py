@@ -1,5 +1,5 @@
 """Sibling projections fused into one matmul: q/k/v in attention, gate/up in the MLP
-(`SpecDecoder(fuse_projections=...)`: on by default for targets up to 1B parameters;
+(`Speedups(fuse_projections=...)`, speedups.py: on by default for targets up to 1B parameters;
 `bench --no-fuse-projections` to compare).
 
 A decode step of a small model on a GPU is bound by how many kernels it runs, not by its bytes

@@ -13,8 +13,13 @@ buffers, shared between them:
      verdict sampled in SampledTreeRounds),
      written as the verify's input, with the draft's position moved past the kept rows;
   2. the target's verify (its usual static forward) and, launched by the host, its argmax;
-  3. the verdict: what was accepted, the committed tokens written in the round's row, the next
-     extend's inputs, the target's position moved on (a tree also moves the accepted branch's K/V).
+  3. the verdict: what was accepted (acceptance.py's rules, the very functions the synced rounds read back),
+     the committed tokens written in the round's row, the next extend's inputs, the target's position moved
+     on (a tree also moves the accepted branch's K/V).
+
+Each replay is a static function of a runner, built from the runners' fixed-shape interface (runners.py:
+make_function, forward_function, static_inputs, causal_block, masked_forward, move_rows; draft_runner.py:
+extend_chain, extend_tree).
 
 The host queues `ahead` rounds, then reads the counts and tokens back in one go. On CUDA it queues the
 next batch before it reads one back (`queue`, then `collect`): the copy to pinned memory is ordered behind
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .acceptance import chain_sampling_verdict, logits_to_probs, sample_with
+from .acceptance import chain_sampling_verdict, chain_verdict, logits_to_probs, tree_sampling_verdict, tree_verdict
 from .draft_runner import DraftRunner
 from .runners import TargetRunner
 from .tree import grown_nodes
@@ -54,7 +59,7 @@ class _Rounds:
         return ahead * self.rows
 
     def _current(self) -> tuple:
-        return tuple(runner._static.get(key) for runner, key in self.keys)
+        return tuple(runner.function(key) for runner, key in self.keys)
 
     def start(self, feed: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Take over after a synced round: feed = (taps (n+1, nH), next tokens (n+1,)) as `_step` returns
@@ -79,12 +84,12 @@ class _Rounds:
     def _buffers(self, taps: torch.Tensor) -> None:
         """The verify's static forward (its buffers) and the extend's and verdict's common buffers."""
         d, v, rows, dev = self.drafter, self.verifier, self.rows, self.verifier.device
-        self.verify_st = v._static_size(v.sizes[0], {"ids": torch.zeros(v.sizes[0], dtype=torch.long, device=dev)})
+        self.verify_st = v.forward_function(v.sizes[0], {"ids": torch.zeros(v.sizes[0], dtype=torch.long, device=dev)})
         self.verify = self.verify_st.inputs
         # the captures below write from each runner's length on: slots nothing committed is in
         self.verify["at"].fill_(v.length)
-        extend = d._static_inputs(rows, {"ids": torch.zeros(rows, dtype=torch.long), "taps": taps[:1]}, scratch=0)
-        extend["block"].copy_(d._block(None, rows, rows, d.max_pending))  # causal
+        extend = d.static_inputs(rows, {"ids": torch.zeros(rows, dtype=torch.long), "taps": taps[:1]}, scratch=0)
+        extend["block"].copy_(d.causal_block(rows))
         extend["at"].fill_(d.length)
         extend.update(last=torch.zeros(1, dtype=torch.long, device=dev), verify_ids=self.verify["ids"])
         self.extend = extend
@@ -100,11 +105,6 @@ class _Rounds:
 
     def _more_buffers(self, taps: torch.Tensor) -> None:
         """What a kind of round needs besides the common buffers (a greedy one: nothing)."""
-
-    @staticmethod
-    def _static(runner, key: tuple, fn, inputs: dict, *args):
-        runner._static_function(key, fn, inputs, *args)
-        return runner._static[key]
 
     def queue(self, count: int) -> tuple[int, int, torch.cuda.Event | None]:
         """`count` rounds queued without a read-back, and on CUDA their verdicts' copy to pinned memory:
@@ -147,11 +147,12 @@ class ChainRounds(_Rounds):
     def _make(self, taps: torch.Tensor) -> None:
         v, rows = self.verifier, self.rows
         self._buffers(taps)
-        self.verify["block"].copy_(v._block(None, rows, rows, v.max_pending))  # causal: the chain
+        self.verify["block"].copy_(v.causal_block(rows))  # the chain
         self.verdict["verify_pos"] = self.verify["pos"]
         self._more_buffers(taps)
-        self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend, self.K - 1)
-        self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict)
+        (d, draft_key), _, (_, verdict_key) = self.keys[:3]
+        self.draft_st = d.make_function(draft_key, self._draft_round, self.extend, self.K - 1)
+        self.verdict_st = d.make_function(verdict_key, self._verdict, self.verdict)
 
     def _round(self) -> None:
         self.draft_st.run()
@@ -171,17 +172,16 @@ class ChainRounds(_Rounds):
         return (tokens,)
 
     def _chain_tokens(self, feed: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
-        """The extend and the greedy chain (DraftRunner._extend_chain): (K,) target ids."""
-        tokens, = self.drafter._extend_chain({k: t for k, t in feed.items() if k != "verify_ids"}, steps)
+        """The extend and the greedy chain (DraftRunner.extend_chain): (K,) target ids."""
+        tokens, = self.drafter.extend_chain({k: t for k, t in feed.items() if k != "verify_ids"}, steps)
         return tokens
 
     @staticmethod
     def _verdict(feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        """Accept the longest prefix of the draft tokens equal to the target's argmax (acceptance.py's
-        greedy chain rule); row i's argmax is the token at position pos[i] + 1."""
-        best = feed["best"]
-        n = (feed["verify_ids"][0, 1:] == best[:-1]).long().cumprod(0).sum().view(1)
-        return ChainRounds._commit(feed, best[:feed["committed"].shape[1]], n)
+        """The greedy chain rule (acceptance.chain_verdict) on the target's argmax; row i's argmax is the
+        token at position pos[i] + 1."""
+        n, row = chain_verdict(feed["verify_ids"][0, 1:], feed["best"])
+        return ChainRounds._commit(feed, row[:feed["committed"].shape[1]], n)
 
     @staticmethod
     def _commit(feed: dict[str, torch.Tensor], row: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor]:
@@ -199,7 +199,7 @@ class ChainRounds(_Rounds):
 
 class SampledChainRounds(ChainRounds):
     """Sampled chain-of-K rounds, lossless on the device: the draft's extend and sampled chain
-    (DraftRunner._extend_chain, sampled), the verify, the verdict (acceptance.chain_sampling_verdict), three
+    (DraftRunner.extend_chain, sampled), the verify, the verdict (acceptance.chain_sampling_verdict), three
     replays; launched by the host, the round's uniform draws (K for the draft before it, K + 1 for the
     verdict after the verify: the order in which the synced rounds draw them, so the same seed gives the
     same tokens) and the verify's logits and taps copied in. `gen` is the generation's generator."""
@@ -230,7 +230,7 @@ class SampledChainRounds(ChainRounds):
 
     def _chain_tokens(self, feed: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
         """The chain sampled, and the distributions its tokens were drawn from kept for the verdict."""
-        tokens, probs = self.drafter._extend_chain({k: t for k, t in feed.items() if k not in ("verify_ids", "probs")},
+        tokens, probs = self.drafter.extend_chain({k: t for k, t in feed.items() if k not in ("verify_ids", "probs")},
                                                    steps, self.sampling)
         feed["probs"].copy_(probs)
         return tokens
@@ -264,10 +264,11 @@ class TreeRounds(_Rounds):
         self.verdict.update(parents=self.extend["parents"], node_depth=self.extend["node_depth"],
                             rows=torch.zeros(self.rows, dtype=torch.long, device=dev), move_src=self.move["src"])
         self._more_buffers(taps)
-        self.draft_st = self._static(*self.keys[0], self._draft_round, self.extend)
-        self.verdict_st = self._static(*self.keys[2], self._verdict, self.verdict, self.depth)
+        (d, draft_key), _, (_, verdict_key), (_, move_key) = self.keys
+        self.draft_st = d.make_function(draft_key, self._draft_round, self.extend)
+        self.verdict_st = d.make_function(verdict_key, self._verdict, self.verdict, self.depth)
         # eager inside its graph, as the synced rounds' move (runners.py): a few index copies, nothing to fuse
-        v._static[self.keys[3][1]] = self.move_st = v._make_static(self.move, lambda: self._move(self.move, width))
+        self.move_st = v.make_function(move_key, self._move, self.move, width, compile=False)
 
     def _round(self) -> None:
         self.draft_st.run()
@@ -282,14 +283,10 @@ class TreeRounds(_Rounds):
         torch.argmax(logits, -1, out=self.verdict["best"])
 
     def _draft_round(self, feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        """The extend of depth+1 rows, then the tree from row `last` (DraftRunner._tree), written as the
+        """The extend of depth+1 rows, then the tree from row `last` (DraftRunner.extend_tree), written as the
         verify's ids, positions and mask; the draft's position moved past the kept rows."""
-        d, s = self.drafter, self.drafter.book.max_len
-        logits, hidden = d._masked_forward({k: feed[k] for k in ("ids", "taps", "pos", "block", "at")}, s)
+        tokens, parents, depth, _, block, rel = self.drafter.extend_tree(feed, self.depth, self.topk, self.budget)
         last = feed["last"]
-        root = {"root": logits[0].index_select(0, last)[0], "hidden": hidden[0].index_select(0, last),
-                "pos": feed["pos"][0].index_select(0, last), "at": feed["at"][1:] + last + 1}
-        tokens, parents, depth, _, block, rel = d._tree(root, self.depth, self.topk, self.budget)
         t, ts = tokens.shape[0] + 1, feed["verify_block"].shape[0]
         feed["verify_ids"][0, :t].copy_(torch.cat([feed["ids"][0].index_select(0, last), tokens]))
         feed["verify_pos"][0, :t].copy_(feed["verify_at"][:1] + rel)
@@ -307,34 +304,28 @@ class TreeRounds(_Rounds):
         by last + 1 (the move's destination is worked out here, from what the verdict left: compiled, a
         destination the verdict copied from the position it then moved on came out moved, torch 2.13)."""
         dst = feed["verify_at"][:1] - feed["last"] - 1
-        return (self.verifier._move_all({"src": feed["src"], "dst": dst}, width),)
+        return (self.verifier.move_rows({"src": feed["src"], "dst": dst}, width),)
+
+    @staticmethod
+    def _nodes(feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The round's tree as its verdict sees it: (tokens, parents, depth) of its `budget` node slots (past
+        the pruned tree's nodes, stale slots of depth 0: never accepted)."""
+        parents = feed["parents"]
+        return feed["verify_ids"][0, 1:parents.shape[0] + 1], parents, feed["node_depth"]
 
     @staticmethod
     def _verdict(feed: dict[str, torch.Tensor], depth: int) -> tuple[torch.Tensor]:
-        """acceptance.py's greedy tree rule on the device: the walk below with the target's argmax."""
-        return TreeRounds._walk(feed, feed["best"], depth)
+        """The greedy tree rule (acceptance.tree_verdict) on the target's argmax."""
+        return TreeRounds._commit(feed, *tree_verdict(*TreeRounds._nodes(feed), feed["best"], depth))
 
     @staticmethod
-    def _walk(feed: dict[str, torch.Tensor], best: torch.Tensor, depth: int) -> tuple[torch.Tensor]:
-        """A node is accepted when its token is the target's choice at its parent's row (`best`, a token a
-        row: its argmax, or a draw from its distribution) and its parent is accepted; the accepted nodes
-        form one path (siblings hold distinct tokens). Row 0 is the root, row 1 + i node i."""
-        parents, node_depth = feed["parents"], feed["node_depth"]
-        n_nodes = parents.shape[0]
-        parent_row = parents + 1
-        ok = feed["verify_ids"][0, 1:n_nodes + 1] == best.index_select(0, parent_row)
-        accepted = ok
-        for _ in range(depth - 1):  # an ancestor's rejection reaches its descendants, a level each pass
-            accepted = ok & torch.cat([ok.new_ones(1), accepted]).index_select(0, parent_row)
-        most = min(depth, n_nodes)  # levels a path can reach
-        levels = torch.arange(1, most + 1, device=best.device)
-        at_level = accepted[None, :] & (node_depth[None, :] == levels[:, None])  # (levels, nodes)
-        kept = at_level.any(1)
-        n = kept.long().sum().view(1)
-        # the kept rows: the root's, then each kept level's node; a level not kept its own row index, so
-        # that the move below copies that slot onto itself
-        rows = torch.cat([levels.new_zeros(1), torch.where(kept, at_level.long().argmax(1) + 1, levels)])
-        committed = best.index_select(0, rows)  # the path's tokens and the one after them
+    def _commit(feed: dict[str, torch.Tensor], n: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor
+                ) -> tuple[torch.Tensor]:
+        """A tree round's verdict kept: n accepted, committed[:n + 1] committed, the next extend's inputs,
+        the kept rows (for the taps' gather) and the move's sources, the target's position moved on. rows:
+        the root's row and each level's (a level past the path its own index, so that the move copies that
+        slot onto itself)."""
+        most = rows.shape[0] - 1  # levels a path can reach
         v_len = feed["verify_at"][:1]
         row = torch.nn.functional.pad(committed, (0, feed["committed"].shape[1] - most - 1))  # the first n + 1
         feed["committed"].index_copy_(0, feed["round"], row[None])
@@ -343,7 +334,7 @@ class TreeRounds(_Rounds):
         feed["draft_ids"][0, :most + 1].copy_(committed)  # the next extend
         feed["rows"][:most + 1].copy_(rows)
         feed["last"].copy_(n)
-        src = v_len + torch.arange(feed["move_src"].shape[0], device=best.device)  # slots onto themselves ...
+        src = v_len + torch.arange(feed["move_src"].shape[0], device=rows.device)  # slots onto themselves ...
         src[:most + 1] = v_len + rows  # ... but the kept rows', which move down to v_len, v_len + 1, ...
         feed["move_src"].copy_(src)
         feed["verify_at"].add_(n + 1)
@@ -352,7 +343,7 @@ class TreeRounds(_Rounds):
 
 class SampledTreeRounds(TreeRounds):
     """Sampled EAGLE-2 tree rounds, lossless on the device: TreeRounds' round with the target's choice at each
-    row drawn from its distribution instead of its argmax (acceptance.verify_tree_sampling's rule: draw x at a
+    row drawn from its distribution instead of its argmax (acceptance.tree_sampling_verdict: draw x at a
     node, descend into the child that holds x, else emit x). Launched by the host: the round's uniform draws,
     one a row of the tree (the order in which the synced rounds draw them, so the same seed gives the same
     tokens), and the verify's logits copied in. `gen` is the generation's generator."""
@@ -377,8 +368,9 @@ class SampledTreeRounds(TreeRounds):
         self.verdict["logits"].copy_(logits)
 
     def _verdict(self, feed: dict[str, torch.Tensor], depth: int) -> tuple[torch.Tensor]:
-        """The walk with a draw from the target's distribution at each row of the tree."""
+        """The sampled tree rule (acceptance.tree_sampling_verdict): a draw from the target's distribution at
+        each row of the tree, then the walk."""
         u = feed["u"]
-        chosen = sample_with(logits_to_probs(feed["logits"][:u.shape[0]], self.sampling), u)
-        return self._walk(feed, chosen, depth)
+        p = logits_to_probs(feed["logits"][:u.shape[0]], self.sampling)
+        return self._commit(feed, *tree_sampling_verdict(*self._nodes(feed), p, u, depth))
 

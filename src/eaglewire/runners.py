@@ -48,7 +48,7 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @dataclass
-class _Static:
+class StaticFunction:
     """One padded size's input buffers and how to run over them: a CUDA graph's replay, or a call."""
 
     inputs: dict[str, torch.Tensor]  # (1, Ts, ...) per model input, pos (1, Ts), block (Ts, W), at (2,)
@@ -67,7 +67,7 @@ class SlotRunner:
     A static forward copies its inputs into the buffers of its padded size Ts: the model inputs,
     positions, `block` padded to (Ts, max_pending + Ts) and `at` = [committed length, first slot
     written]. Everything else (write slots, the (1, 1, Ts, max_len) mask) is computed from those by
-    `_masked_forward`, so it lives inside the compiled function and the captured graph, and a step
+    `masked_forward`, so it lives inside the compiled function and the captured graph, and a step
     costs a few copies, one replay and the output copies.
     """
 
@@ -87,7 +87,7 @@ class SlotRunner:
         self.book = Book()
         self.length = 0  # committed tokens: slots 0..length-1
         self.pending = 0  # rows written this round, not committed: slots length..length+pending-1
-        self._static: dict[tuple, _Static] = {}
+        self._static: dict[tuple, StaticFunction] = {}
         self._causal: dict[tuple, torch.Tensor] = {}
         self._pool = None
         # dynamic=False: one graph per padded size; shapes never vary within one
@@ -104,8 +104,8 @@ class SlotRunner:
         return torch.compile(self._traced(), dynamic=False, options=compile_options(self.device, autotune))
 
     def _traced(self):
-        """The function torch.compile traces: _masked_forward."""
-        return self._masked_forward
+        """The function torch.compile traces: masked_forward."""
+        return self.masked_forward
 
     def _new_cache(self) -> None:
         raise NotImplementedError
@@ -149,20 +149,22 @@ class SlotRunner:
         width = self.max_pending + max(self.sizes)  # the most rows one round writes
         padded = torch.tensor(src + list(range(self.length + len(src), self.length + width)))
         if not self.cuda_graphs:
-            self._move_all({"src": padded.to(self.device), "dst": torch.tensor([self.length], device=self.device)},
+            self.move_rows({"src": padded.to(self.device), "dst": torch.tensor([self.length], device=self.device)},
                            width)
             return
         if "move" not in self._static:
             s = self.book.max_len
             inputs = {"src": torch.arange(s - width, s, device=self.device),  # capture: scratch slots onto
                       "dst": torch.tensor([s - width], device=self.device)}  # themselves
-            self._static["move"] = self._make_static(inputs, lambda: (self._move_all(inputs, width),))
+            self._static["move"] = self._make_static(inputs, lambda: (self.move_rows(inputs, width),))
         st = self._static["move"]
         st.inputs["src"].copy_(padded)
         st.inputs["dst"].fill_(self.length)
         st.run()
 
-    def _move_all(self, feed: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+    def move_rows(self, feed: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+        """Traceable: every layer's K/V at slots feed["src"] (width,) copied to feed["dst"] (1,) and the width - 1
+        slots after it (every read before any write); returns those destination slots."""
         dst = feed["dst"] + torch.arange(width, device=self.device)
         layers = self._layers()
         arena = layers[0].arena if layers else None
@@ -200,14 +202,14 @@ class SlotRunner:
             out = self._call(feed, start + t, compiled=False)
         else:
             assert self.pending <= self.max_pending, ("more pending rows than max_pending", self.pending)
-            st = self._static_size(ts, inputs)
+            st = self.forward_function(ts, inputs)
             self._fill(st, inputs, positions, block, t, ts)
             out = st.run()
         self.pending += t
         # Copies: a graph's outputs are overwritten by its next replay.
         return tuple(o[0, :t].clone() if copy else o[0, :t] for o in out)
 
-    def _fill(self, st: _Static, inputs: dict[str, torch.Tensor], positions: torch.Tensor | int,
+    def _fill(self, st: StaticFunction, inputs: dict[str, torch.Tensor], positions: torch.Tensor | int,
               block: torch.Tensor | None, t: int, ts: int) -> None:
         """A static forward's buffers filled for this call's T rows (padding rows keep stale, valid
         values: they see only themselves)."""
@@ -248,7 +250,7 @@ class SlotRunner:
             self._causal[key] = full
         return full
 
-    def _masked_forward(self, feed: dict[str, torch.Tensor], view_len: int) -> tuple[torch.Tensor, ...]:
+    def masked_forward(self, feed: dict[str, torch.Tensor], view_len: int) -> tuple[torch.Tensor, ...]:
         """The forward over slots 0..view_len-1, its write slots and mask made from feed["at"] and
         feed["block"] (the function compiled and captured: no host values but view_len and shapes)."""
         ts = feed["pos"].shape[1]
@@ -273,10 +275,10 @@ class SlotRunner:
 
     def _call(self, feed: dict[str, torch.Tensor], view_len: int, compiled: bool = True,
               tuned: bool = True) -> tuple[torch.Tensor, ...]:
-        """_masked_forward, compiled if the runner compiles (autotuned if `tuned` and the runner autotunes),
+        """masked_forward, compiled if the runner compiles (autotuned if `tuned` and the runner autotunes),
         eager until the K/V buffers are made (_kv_made)."""
         if not compiled or self._compiled is None or not self._kv_made():
-            return self._masked_forward(feed, view_len)
+            return self.masked_forward(feed, view_len)
         return self._guarded(self._compiled if tuned else self._compiled_untuned, feed, view_len)
 
     def _guarded(self, compiled_fn, *args):
@@ -290,39 +292,61 @@ class SlotRunner:
             raise CompileError(f"torch.compile of the {type(self).__name__} forward failed ({what[:300]}); "
                                "run with --no-compile (compile=False)") from e
 
-    def _static_size(self, ts: int, example: dict[str, torch.Tensor]) -> _Static:
-        """The buffers of size Ts for these input kinds; on CUDA with graphs, its graph (captured once)."""
-        key = (ts, tuple(sorted(example)))
-        if key not in self._static:
-            inputs = self._static_inputs(ts, example, scratch=ts)
-            self._static[key] = self._make_static(inputs, lambda: self._call(inputs, self.book.max_len,
-                                                                             tuned=ts == 1))
-        return self._static[key]
+    # -- the fixed-shape interface: what `forward` pads to, and what rounds.py builds its rounds from ---------
+    # A "static function" runs fn(inputs, *args) over fixed input buffers (compiled if the runner compiles, one
+    # CUDA-graph replay if it captures); methods that take `feed` (a dict of such buffers) are traceable bodies
+    # of one: no read-back, no control flow that depends on the data.
 
-    def _static_inputs(self, ts: int, example: dict[str, torch.Tensor], scratch: int) -> dict[str, torch.Tensor]:
-        """Input buffers of a static forward of Ts rows; a capture's writes land in the last `scratch` slots."""
-        s, dev = self.book.max_len, self.device
-        inputs = {k: torch.zeros(1, ts, *v.shape[1:], dtype=v.dtype, device=dev) for k, v in example.items()}
-        inputs.update(pos=torch.zeros(1, ts, dtype=torch.long, device=dev),
-                      block=torch.eye(ts, self.max_pending + ts, dtype=torch.bool, device=dev),
-                      at=torch.tensor([0, s - scratch], device=dev))
-        return inputs
+    def function(self, key: tuple) -> StaticFunction | None:
+        """The static function made under `key` (make_function, forward_function), or None: never made, or
+        dropped by a `reset` that grew the cache (its buffers were sized for the old one)."""
+        return self._static.get(key)
 
-    def _static_function(self, key: tuple, fn, inputs: dict[str, torch.Tensor], *args) -> None:
-        """fn(inputs, *args) over the fixed buffers `inputs`, compiled if the runner compiles, as static
-        key. Eager until the K/V buffers are made (_kv_made)."""
+    def make_function(self, key: tuple, fn, inputs: dict[str, torch.Tensor], *args, compile: bool = True
+                      ) -> StaticFunction:
+        """fn(inputs, *args) over the fixed buffers `inputs` as the static function `key`, returned: compiled
+        if the runner compiles and `compile` (False: eager inside its graph, for a few index copies with nothing
+        to fuse), eager until the K/V buffers are made (_kv_made); captured on CUDA with graphs."""
         compiled = torch.compile(fn, dynamic=False, options=compile_options(self.device, self.autotune)) \
-            if self.compiles else None
+            if self.compiles and compile else None
 
         def run():
             if compiled is None or not self._kv_made():
                 return fn(inputs, *args)
             return self._guarded(compiled, inputs, *args)
         self._static[key] = self._make_static(inputs, run)
+        return self._static[key]
 
-    def _make_static(self, inputs: dict[str, torch.Tensor], fn) -> _Static:
+    def forward_function(self, rows: int, example: dict[str, torch.Tensor]) -> StaticFunction:
+        """The static forward of `rows` rows for these input kinds (the one `forward` pads to): its inputs are
+        `static_inputs`' buffers, its outputs (1, rows, ...) each. Made once per cache."""
+        key = (rows, tuple(sorted(example)))
+        if key not in self._static:
+            inputs = self.static_inputs(rows, example, scratch=rows)
+            self._static[key] = self._make_static(inputs, lambda: self._call(inputs, self.book.max_len,
+                                                                             tuned=rows == 1))
+        return self._static[key]
+
+    def static_inputs(self, rows: int, example: dict[str, torch.Tensor], scratch: int) -> dict[str, torch.Tensor]:
+        """Input buffers of a static forward of `rows` rows: each input (1, rows, ...) like example's (rows, ...),
+        pos (1, rows), block (rows, max_pending + rows), at (2,) = [committed length, first slot written]; a
+        capture's writes land in the last `scratch` slots."""
+        s, dev = self.book.max_len, self.device
+        inputs = {k: torch.zeros(1, rows, *v.shape[1:], dtype=v.dtype, device=dev) for k, v in example.items()}
+        inputs.update(pos=torch.zeros(1, rows, dtype=torch.long, device=dev),
+                      block=torch.eye(rows, self.max_pending + rows, dtype=torch.bool, device=dev),
+                      at=torch.tensor([0, s - scratch], device=dev))
+        return inputs
+
+    def causal_block(self, rows: int) -> torch.Tensor:
+        """(rows, max_pending + rows) bool: a block input of `rows` new rows that see each other causally, with
+        no pending rows before them (a chain's verify, a round's extend)."""
+        assert self.pending == 0, "a causal block over no pending rows"
+        return self._block(None, rows, rows, self.max_pending)
+
+    def _make_static(self, inputs: dict[str, torch.Tensor], fn) -> StaticFunction:
         """A static-shape function over fixed input buffers: a captured CUDA graph, or a plain call."""
-        st = _Static(inputs)
+        st = StaticFunction(inputs)
         if self.cuda_graphs:
             replay, st.outputs = self._capture(fn)
             st.run = lambda: (replay(), st.outputs)[1]
@@ -376,13 +400,13 @@ class TargetRunner(SlotRunner):
         return (self.model(**kw).logits.float(),)
 
     def _traced(self):
-        return self._masked_forward if self.contract is None else self._tapped_forward
+        return self.masked_forward if self.contract is None else self._tapped_forward
 
     def _tapped_forward(self, feed, view_len):
-        """_masked_forward, traced under TapHooks. A function of its own, so compiled graphs are never
+        """masked_forward, traced under TapHooks. A function of its own, so compiled graphs are never
         shared with a runner without taps: dynamo does not guard on module hooks, and would run a
         graph traced without them (e.g. the plain runner's, at the same prefill size) and lose the taps."""
-        return self._masked_forward(feed, view_len)
+        return self.masked_forward(feed, view_len)
 
     def _call(self, feed, view_len, compiled=True, tuned=True):
         if self.contract is None:
@@ -408,7 +432,7 @@ class TargetRunner(SlotRunner):
                       device=dev), "pos": torch.zeros(1, 1, dtype=torch.long, device=dev),
                       "block": torch.ones(1, 1, dtype=torch.bool, device=dev),
                       "at": torch.tensor([s - 3, s - 3], device=dev)}  # a capture's two warm-ups write s-3, s-2
-            self._static_function(key, self._greedy_step, inputs, s)
+            self.make_function(key, self._greedy_step, inputs, s)
         st = self._static[key]
         st.inputs["ids"].copy_(tok)
         st.inputs["pos"].fill_(self.length)
@@ -422,7 +446,7 @@ class TargetRunner(SlotRunner):
         """One plain step whose argmax becomes its next input: next[pos] = that token, pos and at + 1."""
         feed = dict(feed)
         following = feed.pop("next")
-        logits, = self._masked_forward(feed, view_len)
+        logits, = self.masked_forward(feed, view_len)
         tok = logits[0, -1].argmax().view(1, 1)
         following.index_copy_(0, feed["pos"][0].clone(), tok[0])  # not a view of pos, mutated below (rounds.py)
         feed["ids"].copy_(tok)

@@ -88,7 +88,7 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
     gens = run_prompts({k: (f"{k} ({name})", run) for k, (name, run, _) in runners.items()}, prompts, cfg, device, log)
     names = {k: r[0] for k, r in runners.items()}
     base = (f"base ({names['base']})", runners["base"][1])  # timed again beside each shape
-    base_linears = runners["base"][2].linears
+    base_linears = runners["base"][2].applied.linears
     del runners
     _release(device)
     head = describe(cfg, t, meta, sp, device, dtype)
@@ -108,7 +108,7 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
                "acceptance": acceptance(g, c.chain if c.mode == "chain" else c.depth), "engines": engine_shapes(c),
                "greedy_check": greedy_check(t, prompts, {ref: gens[ref], "spec": g}, ref, dtype) if greedy else None,
                "warnings": list(dec.warnings),
-               "linears": dec.linears}  # timed at this shape's verify rows too (prepack.py)
+               "linears": dec.applied.linears}  # timed at this shape's verify rows too (prepack.py)
         row["base_tokens_per_s"] = summarize(pair["base"], None)["tokens_per_s"]  # timed in turn with this shape
         row["spec/base"] = row["tokens_per_s"] / row["base_tokens_per_s"]
         row["spec/hf"] = row["spec/base"] * base_over_hf if base_over_hf else None
