@@ -25,15 +25,16 @@ from pathlib import Path
 
 import torch
 
-from eaglewire import __version__, attention, targets, tree
-from eaglewire.acceptance import SamplingParams
+from eaglewire import __version__, targets
 from eaglewire.checkpoint import load_draft, save_draft
-from eaglewire.decode import SpecConfig, SpecDecoder
+from eaglewire.decode import attention, tree
+from eaglewire.decode.acceptance import SamplingParams
+from eaglewire.decode.decoder import SpecConfig, SpecDecoder
+from eaglewire.decode.draft_runner import DraftRunner
+from eaglewire.decode.runners import TargetRunner
+from eaglewire.decode.speedups import Speedups
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.draft_runner import DraftRunner
 from eaglewire.errors import UsageError
-from eaglewire.runners import TargetRunner
-from eaglewire.speedups import Speedups
 from eaglewire.taps import TapContract
 
 

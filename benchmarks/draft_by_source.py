@@ -26,12 +26,14 @@ from pathlib import Path
 
 import torch
 
-from eaglewire import __version__, datagen, metrics, prompts, recipes, targets
+from eaglewire import __version__, prompts, recipes, targets
 from eaglewire.capture import capture, locate
 from eaglewire.checkpoint import load_draft
-from eaglewire.decode import SpecConfig, SpecDecoder
-from eaglewire.suites import encode_prompt, load_suite
-from eaglewire.ttt import TTTModel, TTTSpec, target_side
+from eaglewire.data import datagen
+from eaglewire.data.suites import encode_prompt, load_suite
+from eaglewire.decode.decoder import SpecConfig, SpecDecoder
+from eaglewire.train import metrics
+from eaglewire.train.ttt import TTTModel, TTTSpec, target_side
 
 
 def unseen_sharegpt(n: int) -> list[list[dict]]:

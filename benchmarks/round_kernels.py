@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_steps import decoder_args, load_pair  # noqa: E402
 
 from eaglewire import __version__  # noqa: E402
-from eaglewire.decode import SpecConfig, SpecDecoder  # noqa: E402
-from eaglewire.speedups import Speedups  # noqa: E402
+from eaglewire.decode.decoder import SpecConfig, SpecDecoder  # noqa: E402
+from eaglewire.decode.speedups import Speedups  # noqa: E402
 
 KINDS = (  # the first pattern a kernel's name matches decides its kind
     ("pointwise", r"^triton_poi"),  # Inductor's pointwise kernels, whatever ops their names list

@@ -6,12 +6,12 @@ import torch
 
 from eaglewire.capture import capture
 from eaglewire.checkpoint import load_draft, save_draft
-from eaglewire.decode import SpecConfig, SpecDecoder
+from eaglewire.decode.decoder import SpecConfig, SpecDecoder
+from eaglewire.decode.runners import SlotRunner
+from eaglewire.decode.speedups import Speedups
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.runners import SlotRunner
-from eaglewire.speedups import Speedups
-from eaglewire.targets import Target, fingerprint
 from eaglewire.taps import TapContract
+from eaglewire.targets import Target, fingerprint
 from eaglewire.vocab import target_to_draft_ids
 
 CONTRACT = TapContract(8, (2, 4, 8))  # tap 8: the last layer's output, through the post-hook

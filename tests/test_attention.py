@@ -6,11 +6,11 @@ import types
 import pytest
 import torch
 import transformers as tf
+from decoding import decoder
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from eaglewire import attention
+from eaglewire.decode import attention
 from eaglewire.targets import Target
-from decoding import decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,14 +17,17 @@ import re
 import pytest
 import torch
 
-from eaglewire import bench, prepack, targets
-from eaglewire.bench import (BenchConfig, acceptance, first_divergence, greedy_check, Generation, run_bench,
-                             run_prompts)
+from eaglewire import targets
+from eaglewire.bench import run as bench
+from eaglewire.bench.run import (BenchConfig, Generation, acceptance, first_divergence, greedy_check, run_bench,
+                                 run_prompts)
+from eaglewire.bench.report import format_table
+from eaglewire.bench.shapes import format_shapes
 from eaglewire.checkpoint import save_draft
 from eaglewire.cli import main
+from eaglewire.decode import prepack
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.errors import UsageError
-from eaglewire.shapes import format_shapes
 from eaglewire.taps import TapContract
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
@@ -234,7 +237,7 @@ def test_acceptance_by_category_where_the_suite_has_them(shift, prompt_file, mon
     want = {"writing": (pp[0]["spec_tokens"] + pp[2]["spec_tokens"]) / (pp[0]["spec_steps"] + pp[2]["spec_steps"]),
             "math": pp[1]["spec_tokens"] / pp[1]["spec_steps"]}
     assert r["acceptance_by_group"] == pytest.approx(want) and list(r["acceptance_by_group"]) == ["writing", "math"]
-    assert "acceptance by category: writing " in bench.format_table(r)
+    assert "acceptance by category: writing " in format_table(r)
     png = bench.plot_acceptance(r, tmp_path / "acc.png").read_bytes()  # a second panel: the categories
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1260
 
@@ -349,7 +352,7 @@ def test_bench_shapes_times_each_shape_in_turn_with_the_run_without_a_draft(shif
 
 
 def test_shapes_that_sglang_cannot_express():
-    from eaglewire.shapes import engine_shapes
+    from eaglewire.bench.shapes import engine_shapes
 
     # SGLang verifies at most topk + (steps - 1) x topk^2 draft tokens (interop/serve.py, SpecArgs)
     assert engine_shapes(BenchConfig(suite="s", mode="tree", depth=2, topk=2, budget=7))["sglang"] is None

@@ -14,11 +14,11 @@ import torch
 from eaglewire import cli, targets
 from eaglewire.capture import capture
 from eaglewire.chat import encode_conversation
-from eaglewire import datagen
-from eaglewire.datagen import GenConfig, generate_batched, plan_batches, regenerate, run_datagen
+from eaglewire.data import datagen
+from eaglewire.data.datagen import GenConfig, generate_batched, plan_batches, regenerate, run_datagen
+from eaglewire.data.shards import open_dataset, read_manifest
 from eaglewire.errors import EaglewireError
 from eaglewire.prompts import load_conversations
-from eaglewire.shards import open_dataset, read_manifest
 from eaglewire.taps import TapContract
 
 CONTRACT = TapContract(4, (1, 2, 4))
@@ -199,7 +199,8 @@ def test_slots_step_never_reads_the_device(llama):
     """The decode step is captured in a CUDA graph on a GPU: no host read-back inside (make_fx
     refuses `aten._local_scalar_dense`), checked here on a CPU with its inputs as tracing tensors."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from eaglewire.batchgen import BatchGenerator
+
+    from eaglewire.data.batchgen import BatchGenerator
 
     gen = BatchGenerator(llama.model, rows=2, width=4, max_new=3, cuda_graphs=False)
     gen.prefill(torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]]), torch.tensor([1, 0]))
@@ -303,7 +304,7 @@ def test_max_samples_grows_and_overlong_policies(llama, tmp_path):
 
 
 # The CLI's own main(), with only this command registered: other commands' modules play no part here.
-ONLY_DATAGEN = {"datagen": "eaglewire.datagen"}
+ONLY_DATAGEN = {"datagen": "eaglewire.data.cli"}
 CLI_SCRIPT = ("import sys; from eaglewire import cli; cli.COMMANDS = %r; sys.exit(cli.main(sys.argv[1:]))"
               % ONLY_DATAGEN)
 

@@ -11,17 +11,17 @@ import warnings
 
 import pytest
 import torch
-
-import eaglewire.decode as decode
-import eaglewire.tree as tree_mod
-from eaglewire.acceptance import SamplingParams, logits_to_probs
-from eaglewire.compiled import CompileError
-from eaglewire.errors import UsageError
-from eaglewire.runners import SlotRunner
-from eaglewire.taps import TapContract
 from decoding import (CHAIN, CONTRACT, TREE, as_target, decoder, fake_capture, fit, launch_counter, new_draft, prompts,
                       reference_greedy, same_samples, save_load)
 from tiny import tiny_model
+
+import eaglewire.decode.decoder as decode
+import eaglewire.decode.tree as tree_mod
+from eaglewire.decode.acceptance import SamplingParams, logits_to_probs
+from eaglewire.decode.compiled import CompileError
+from eaglewire.decode.runners import SlotRunner
+from eaglewire.errors import UsageError
+from eaglewire.taps import TapContract
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -234,9 +234,9 @@ def test_the_drafts_steps_fused_and_grouped_propose_the_same_tokens(llama, seqs,
     """The decoder runs the draft's steps on a copy with q/k/v and gate/up fused and K/V heads read in
     place (as its target on CUDA): the same proposals, so the same acceptance, step by step (fp32);
     the caller's draft keeps its own modules."""
-    from eaglewire.attention import GroupedDraftAttention
+    from eaglewire.decode.attention import GroupedDraftAttention
+    from eaglewire.decode.projections import FusedFirst
     from eaglewire.draft import DraftAttention
-    from eaglewire.projections import FusedFirst
 
     draft, meta = drafts["trained"]
     runs = {}
@@ -478,7 +478,6 @@ def test_sampling_test_catches_a_broken_verifier(small, monkeypatch, broken):
 def test_mismatched_draft_and_target(llama, drafts, tmp_path):
     d, meta = drafts["random"]
     import transformers as tf
-
     from tiny import COMMON
     for what, cfg in [("has 6 layers", {**COMMON, "num_hidden_layers": 6}),
                       ("target_hidden_size", {**COMMON, "hidden_size": 64}),

@@ -4,10 +4,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from eaglewire.acceptance import SamplingParams
-from eaglewire.runners import SlotRunner
 from decoding import CHAIN, TREE, decoder, fake_capture, prompts, reference_greedy
+
+from eaglewire.decode.acceptance import SamplingParams
+from eaglewire.decode.runners import SlotRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from decode_steps import generation, replays_per_round, warmed  # noqa: E402

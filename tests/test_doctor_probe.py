@@ -4,19 +4,18 @@ fix applied must make the probe agree with the engine."""
 
 import json
 
+import doctor_fixtures as fx
 import pytest
 import torch
 
 from eaglewire import interop, targets
 from eaglewire.checkpoint import save_draft
 from eaglewire.doctor import diagnose
-from eaglewire.doctor.cli import render
-from eaglewire.errors import UsageError
 from eaglewire.doctor import probe as P
 from eaglewire.doctor import probe_inputs
+from eaglewire.doctor.cli import render
+from eaglewire.errors import UsageError
 from eaglewire.taps import TapContract
-
-import doctor_fixtures as fx
 
 IDS = "eagle_aux_hidden_state_layer_ids"
 
@@ -116,10 +115,11 @@ def test_a_trained_draft_exported_for_every_engine_passes_clean(tmp_path):
     """No false alarms on what eaglewire itself makes: datagen -> train (tests/chat_target.py settings) ->
     export -> doctor with the probe on the training prompts, the trainer's records compared."""
     from chat_target import CONTRACT, conversations_file, make_target
+
     from eaglewire import targets
-    from eaglewire.datagen import run_datagen
-    from eaglewire.train import train
-    from eaglewire.train_config import TrainConfig
+    from eaglewire.data.datagen import run_datagen
+    from eaglewire.train.config import TrainConfig
+    from eaglewire.train.trainer import train
 
     torch.set_num_threads(1)
     target = targets.load_target(str(make_target(tmp_path / "target")), device="cpu")

@@ -12,8 +12,8 @@ import torch
 from eaglewire import targets
 from eaglewire.checkpoint import save_draft
 from eaglewire.cli import main
+from eaglewire.decode.generate import TextStream, draft_shape, encode
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.generate import TextStream, draft_shape, encode
 from eaglewire.taps import TapContract
 
 CONTRACT = TapContract(8, (2, 4, 5))

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-
-from eaglewire import prepack
-from eaglewire.errors import UsageError
-
-from tiny import tiny_model
 from decoding import CHAIN, TREE, as_target, decoder, prompts, reference_greedy
+from tiny import tiny_model
+
+from eaglewire.decode import prepack
+from eaglewire.errors import UsageError
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")]

@@ -3,12 +3,11 @@ caller's model alone, and decode greedily token for token like the target (also 
 
 import pytest
 import torch
-
-from eaglewire import projections
-from eaglewire.projections import FusedFirst, FusedSlice
-
-from tiny import tiny_model
 from decoding import CHAIN, TREE, decoder, prompts, reference_greedy
+from tiny import tiny_model
+
+from eaglewire.decode import projections
+from eaglewire.decode.projections import FusedFirst, FusedSlice
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,7 +59,8 @@ def test_compiled_step_runs_one_matmul_per_group():
     import re
 
     from torch._inductor.utils import run_and_get_code
-    from eaglewire.runners import TargetRunner
+
+    from eaglewire.decode.runners import TargetRunner
 
     m = tiny_model("llama")
     m.model.layers = m.model.layers[:2]

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from eaglewire import cli, datagen, recipes
-from eaglewire.cli import build_parser
-from eaglewire.checkpoint import load_draft
-from eaglewire.errors import UsageError
-
 from chat_target import make_target
+
+from eaglewire import cli, recipes
+from eaglewire.checkpoint import load_draft
+from eaglewire.cli import build_parser
+from eaglewire.data import datagen
+from eaglewire.errors import UsageError
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -3,10 +3,10 @@ verdict back (decode.py's synced path)."""
 
 import pytest
 import torch
-
-from eaglewire.acceptance import SamplingParams
-import eaglewire.runners as runners
 from decoding import CHAIN, TREE, counted_queues, decoder, launch_counter, prompts, reference_greedy, same_samples
+
+import eaglewire.decode.runners as runners
+from eaglewire.decode.acceptance import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,7 +106,7 @@ def test_overlapped_read_backs_through_pinned_mirrors(llama, seqs, drafts, monke
     there once its event has passed. Here the mirrors are CPU tensors and the event a stand-in: each
     batch copied once, each read after its copy, and the tokens those of rounds that read each verdict
     back."""
-    import eaglewire.rounds as rounds_mod
+    import eaglewire.decode.rounds as rounds_mod
     events = []
 
     class Event:  # torch.cuda.Event's part that rounds.py uses
@@ -142,7 +142,7 @@ def test_overlapped_read_backs_through_pinned_mirrors(llama, seqs, drafts, monke
 def test_verifies_spelt_as_matmuls_keep_greedy_tokens(llama, seqs, drafts, monkeypatch, shape):
     """`decode_steps.py --attention matmul`: grouped attention with every verify's rows (a chain's causal block,
     a tree's mask) as matmuls gives target-only greedy tokens (fp32)."""
-    import eaglewire.attention as attention
+    import eaglewire.decode.attention as attention
 
     monkeypatch.setattr(attention, "MATMUL_MAX_ROWS", 64)
     dec = decoder(llama, *drafts["trained"], static_shapes=True, grouped_attention=True, **shape)

@@ -7,19 +7,19 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import doctor_fixtures as fx
 import pytest
 import torch
-
-from eaglewire import bench, checkpoint, interop
-from eaglewire.cli import main as cli_main
-from eaglewire.engines import serve_check as sc
-from eaglewire.engines import vllm as engine
-from eaglewire.suites import encode_prompt
-from eaglewire.taps import TapContract
-
-import doctor_fixtures as fx
 from chat_target import char_tokenizer
 from decoding import fit, new_draft
+
+from eaglewire import checkpoint, interop
+from eaglewire.bench import run as bench
+from eaglewire.cli import main as cli_main
+from eaglewire.data.suites import encode_prompt
+from eaglewire.engines import serve_check as sc
+from eaglewire.engines import vllm as engine
+from eaglewire.taps import TapContract
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TAPS = (2, 4, 5)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglewire.data.shards import FORMAT, Sample, ShardWriter, manifest_hash, open_dataset, read_manifest
 from eaglewire.errors import EaglewireError, UsageError
-from eaglewire.shards import FORMAT, Sample, ShardWriter, manifest_hash, open_dataset, read_manifest
 from eaglewire.taps import TapContract
 
 H = 8

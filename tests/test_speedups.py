@@ -2,14 +2,14 @@
 
 import pytest
 import torch
-
-from eaglewire import attention, speedups
-from eaglewire.decode import SpecDecoder
-from eaglewire.draft import DraftAttention
-from eaglewire.errors import UsageError
-from eaglewire.projections import FusedFirst
 from decoding import as_target, new_draft
 from tiny import tiny_model
+
+from eaglewire.decode import attention, speedups
+from eaglewire.decode.decoder import SpecDecoder
+from eaglewire.decode.projections import FusedFirst
+from eaglewire.draft import DraftAttention
+from eaglewire.errors import UsageError
 
 
 @pytest.mark.parametrize("kw, bad", [(dict(prepack="auto"), "prepack.*'auto'"),

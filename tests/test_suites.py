@@ -10,7 +10,8 @@ import zipfile
 import pytest
 import torch
 
-from eaglewire import registry, suites
+from eaglewire import registry
+from eaglewire.data import suites
 from eaglewire.errors import EaglewireError, UsageError
 
 MTBENCH = [{"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Now in French."]},

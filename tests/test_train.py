@@ -12,17 +12,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from chat_target import CONTRACT, conversations_file, make_target
 from safetensors.torch import load_file, save
 
-from eaglewire import cli, metrics, shards, targets, train_data
+from eaglewire import cli, targets
 from eaglewire.checkpoint import load_draft
-from eaglewire.datagen import run_datagen
+from eaglewire.data import shards
+from eaglewire.data.datagen import run_datagen
 from eaglewire.errors import EaglewireError, UsageError
-from eaglewire.train import _Run, train
-from eaglewire.train_config import TrainConfig, lr_at
-from eaglewire.ttt import TTTModel, TTTSpec, soft_cross_entropy, target_side
-
-from chat_target import CONTRACT, conversations_file, make_target
+from eaglewire.train import data as train_data
+from eaglewire.train import metrics
+from eaglewire.train.config import TrainConfig, lr_at
+from eaglewire.train.trainer import _Run, train
+from eaglewire.train.ttt import TTTModel, TTTSpec, soft_cross_entropy, target_side
 
 # Fast settings: 40 conversations of ~40-70 character tokens, 8 held out.
 FAST = dict(batch_tokens=512, log_every=2, eval_fraction=0.2, max_len=256, lr=3e-3)
@@ -216,7 +218,8 @@ def test_offline_and_online_corpora_key_their_samples_alike(target, data, prompt
 HANG = """
 import sys, time, torch
 torch.set_num_threads(1)
-from eaglewire import cli, metrics
+from eaglewire import cli
+from eaglewire.train import metrics
 write = metrics.JsonlLog.write
 def hang(self, rec):
     write(self, rec)
@@ -273,8 +276,8 @@ DIST = """
 import os, sys, torch
 import torch.distributed as dist
 torch.set_num_threads(1)
-from eaglewire.train import train
-from eaglewire.train_config import TrainConfig
+from eaglewire.train.trainer import train
+from eaglewire.train.config import TrainConfig
 # One process group for both runs: re-creating a gloo group after destroying it can hang its first barrier.
 dist.init_process_group("gloo")
 for mode in ("ddp", "fsdp"):
@@ -436,7 +439,7 @@ def test_flops_estimate_matches_counted_matmuls(target):
     from torch.utils.flop_counter import FlopCounterMode
 
     from eaglewire.draft import DraftConfig, Eagle3Draft
-    from eaglewire.train_config import flops_per_token
+    from eaglewire.train.config import flops_per_token
 
     T, K = 64, 3
     d = DraftConfig.for_target(target.model.config, 3, 96, intermediate_size=96)

@@ -5,12 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from chat_target import CONTRACT, conversations_file, make_target
 
-from eaglewire import cli, targets, train_data
+from eaglewire import cli, targets
 from eaglewire.errors import EaglewireError
 from eaglewire.parallel import Dist
-
-from chat_target import CONTRACT, conversations_file, make_target
+from eaglewire.train import data as train_data
 
 ONE = Dist(0, 1, torch.device("cpu"), False)  # one process on the CPU
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,7 +83,7 @@ def test_taps_default_is_the_data_s_or_the_default_not_a_string():
     """`train --taps default` means what leaving --taps out means (taps.parse_taps), in the config too."""
     import argparse
 
-    from eaglewire.train import config_from_args, register
+    from eaglewire.train.trainer import config_from_args, register
 
     sub = argparse.ArgumentParser().add_subparsers()
     register(sub)

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-
-from eaglewire import tree as tree_mod
-from eaglewire.targets import cache_kwarg
-from eaglewire.tree import (ROOT, DraftTree, expand, frontier_attention, prune, retrieve_paths,
-                            root_frontier, tree_attention)
-
 from tiny import tiny_model
+
+from eaglewire.decode import tree as tree_mod
+from eaglewire.decode.tree import (ROOT, DraftTree, expand, frontier_attention, prune, retrieve_paths, root_frontier,
+                                   tree_attention)
+from eaglewire.targets import cache_kwarg
 
 V = 16
 

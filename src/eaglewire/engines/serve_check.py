@@ -133,7 +133,7 @@ def agreement(ours: list[dict], theirs: list[dict]) -> dict:
 def greedy_identity(plain: list[dict], spec: list[dict]) -> dict:
     """The engine's greedy tokens without and with the draft, prompt by prompt: a divergence at a near-tie
     (top-2 gap < TIE in the run without the draft) is reported, any other fails."""
-    from ..bench import first_divergence
+    from ..bench.run import first_divergence
 
     ties, faults = [], []
     for i, (a, b) in enumerate(zip(plain, spec)):
@@ -153,7 +153,7 @@ def greedy_identity(plain: list[dict], spec: list[dict]) -> dict:
 def ours(target, native: Path, suite: str, max_prompts, max_new_tokens: int, chain: int, device, log) -> dict:
     """eaglewire's decoder without and with the draft on the suite, batch 1, bench's settings: per prompt the
     same counters the engine reports."""
-    from .. import bench
+    from ..bench import run as bench
 
     cfg = bench.BenchConfig(suite=suite, max_prompts=max_prompts, max_new_tokens=max_new_tokens, chain=chain,
                             hf=False, device=device)

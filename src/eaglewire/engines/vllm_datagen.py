@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .. import chat, datagen, prompts, shards, targets
+from .. import chat, prompts, targets
+from ..data import datagen, shards
 from ..errors import EaglewireError, UsageError
 from ..taps import CONVENTIONS, TapContract
 from . import vllm as engine

@@ -30,13 +30,12 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from ..capture import TapHooks, locate
+from ..taps import TapContract
+from ..targets import cache_kwarg, text_config
 from . import attention
-from .capture import TapHooks, locate
 from .compiled import CompileError, capture_graph, compile_options
 from .kv_slots import Arena, Book, SlotLayer, Slots
-from .taps import TapContract
-from .targets import cache_kwarg, text_config
-
 
 CACHE_ROUNDING = 256  # cache lengths are rounded up to this: nearby lengths keep buffers and graphs
 

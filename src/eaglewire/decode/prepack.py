@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .targets import shared_copy
+from ..targets import shared_copy
 
 MIN_WEIGHTS = 1 << 16  # SmolLM2-135M's smallest projection (k_proj) has 110,592
 # The row count oneDNN lays a weight out for. Laid out for 8 rows, a SmolLM2 projection serves 1 to

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import files
+from .. import files
 
 FIELDS = ("loss_sum", "loss_positions", "positions", "correct", "cond_positions", "cond_correct")
 F = {name: i for i, name in enumerate(FIELDS)}

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 from .tree import DraftTree, argsort_stable
 
 

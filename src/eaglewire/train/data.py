@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import chat, checkpoint, datagen, prompts, shards
-from .capture import capture
-from .errors import EaglewireError, UsageError
-from .parallel import Dist
-from .taps import TapContract
+from .. import chat, checkpoint, prompts
+from ..capture import capture
+from ..data import datagen, shards
+from ..errors import EaglewireError, UsageError
+from ..parallel import Dist
+from ..taps import TapContract
 
 SCAN_ROWS = 1 << 16  # rows per finiteness check: bounded memory on big shards
 PAD_MULTIPLE = 64  # micro-batch widths rounded up: few distinct shapes for the allocator, cuDNN plans and kernels

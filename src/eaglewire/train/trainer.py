@@ -22,16 +22,20 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, metrics, parallel, prompts, shards, targets, train_data, train_state
-from .capture import capture, locate
-from .decode import check_pair
-from .draft import DraftConfig, Eagle3Draft
-from .errors import EaglewireError, UsageError
-from .parallel import Dist
-from .taps import TapContract, parse_taps
-from .train_config import PEAK_TFLOPS, TrainConfig, flops_per_token, lr_at
+from .. import checkpoint, parallel, prompts, targets
+from ..capture import capture, locate
+from ..data import shards
+from ..decode.decoder import check_pair
+from ..draft import DraftConfig, Eagle3Draft
+from ..errors import EaglewireError, UsageError
+from ..parallel import Dist
+from ..taps import TapContract, parse_taps
+from ..vocab import draft_ids, select_draft_vocab
+from . import data as train_data
+from . import metrics
+from . import state as train_state
+from .config import PEAK_TFLOPS, TrainConfig, flops_per_token, lr_at
 from .ttt import TTTModel, TTTSpec, target_side
-from .vocab import draft_ids, select_draft_vocab
 
 TAP_STATS_TOKENS = 4096  # tokens of training data the checkpoint's tap statistics are taken over
 # Settings that change neither the batches nor the weights: a run may resume with other values.
@@ -453,7 +457,7 @@ def cmd_train(args) -> int:
 
 
 def register(sub) -> None:
-    from . import cli_args
+    from .. import cli_args
 
     p = sub.add_parser("train", help="train an EAGLE-3 draft (training-time test) from datagen shards or online")
     cli_args.add_target(p)

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import checkpoint, files
-from .errors import UsageError
+from .. import checkpoint, files
+from ..errors import UsageError
 
 RESUME = "resume-state"
 LOG = "train_log.jsonl"

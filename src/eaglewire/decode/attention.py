@@ -21,7 +21,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .targets import text_config
+from ..targets import text_config
 
 NAME = "eaglewire_grouped_sdpa"
 ROWS_MASK = "eaglewire_rows_mask"  # a forward's kwarg: its mask repeated for the grouped rows once, not per layer

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from .bench import (BenchConfig, acceptance, decoder_runner, describe, greedy_check, hf_runner, prepare,
-                    run_prompts, summarize, summarize_runs)
-from .bench_report import or_dash, write_json
-from .errors import EaglewireError, UsageError
-from .interop.serve import SpecArgs
+from ..errors import EaglewireError, UsageError
+from ..interop.serve import SpecArgs
+from .report import or_dash, write_json
+from .run import (BenchConfig, acceptance, decoder_runner, describe, greedy_check, hf_runner, prepare, run_prompts,
+                  summarize, summarize_runs)
 
 SHAPE = re.compile(r"chain:(\d+)|tree:(\d+)x(\d+)x(\d+)")
 

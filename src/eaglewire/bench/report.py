@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, files
+from .. import __version__, files
 
 BANDWIDTH = {"H200": 4.3e12}  # bytes/s a decode step can stream (GPU.md); others: pass bandwidth=
 RUNS = ("hf", "base", "spec")

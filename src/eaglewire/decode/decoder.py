@@ -38,14 +38,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import UsageError
+from ..targets import compare_fingerprints
 from .acceptance import (SamplingParams, logits_to_probs, sample_with, verify_chain_greedy, verify_chain_sampling,
                          verify_tree_greedy, verify_tree_sampling)
 from .draft_runner import DraftRunner
-from .errors import UsageError
 from .rounds import ROUNDS_AHEAD, ChainRounds, SampledChainRounds, SampledTreeRounds, TreeRounds
 from .runners import TargetRunner
 from .speedups import Speedups, apply
-from .targets import compare_fingerprints
 from .tree import DraftTree, grow, prune, tree_attention
 
 MODES = ("chain", "tree")

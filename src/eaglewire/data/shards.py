@@ -29,11 +29,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from . import __version__, files, targets
-from .errors import EaglewireError, UsageError
-from .files import file_digest
-from .targets import compare_fingerprints
-from .taps import TapContract
+from .. import __version__, files, targets
+from ..errors import EaglewireError, UsageError
+from ..files import file_digest
+from ..taps import TapContract
+from ..targets import compare_fingerprints
 
 FORMAT = "eaglewire-data/1"
 MANIFEST = "manifest.json"

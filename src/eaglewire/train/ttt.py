@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft import Eagle3Draft, ttt_mask
+from ..draft import Eagle3Draft, ttt_mask
 
 
 def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

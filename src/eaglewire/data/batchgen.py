@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from . import attention
-from .compiled import capture_graph
-from .kv_slots import Book, SlotLayer
-from .runners import additive_mask
-from .targets import cache_kwarg, shared_copy
+from ..decode import attention
+from ..decode.compiled import capture_graph
+from ..decode.kv_slots import Book, SlotLayer
+from ..decode.runners import additive_mask
+from ..targets import cache_kwarg, shared_copy
+
 
 def supports(model) -> bool:
     """Decoder-only models whose attention goes through transformers' attention interface with
