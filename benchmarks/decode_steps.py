@@ -188,9 +188,10 @@ def warmed(make, choice: str, attn: str, rounds: str, select: str, ids: torch.Te
         with shipped_as(arm):
             dec = make(grouped_attention=ATTENTION[attn])
             dec.bench_arm = arm  # measure() runs it so again
-            if rounds == "off":
-                dec.rounds, dec.sample_in_rounds = None, False
-            dec.rounds_overlap = dec.rounds_overlap and rounds == "on"
+            if not plain:  # rounds are the speculative decoder's: a plain one has none to switch
+                if rounds == "off":
+                    dec.rounds, dec.sample_in_rounds = None, False
+                dec.rounds_overlap = dec.rounds_overlap and rounds == "on"
             generation(dec, ids, new, plain, sampling)
     finally:
         TargetRunner.autotune, DraftRunner.autotune = shipped

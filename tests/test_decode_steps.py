@@ -91,3 +91,19 @@ def test_kinds_with_nothing_in_a_round_print_a_dash():
     attention, fused into Inductor's kernels, once printed so)."""
     assert ms_cell(-0.3) == ms_cell(0.0) == ms_cell(0.2) == "-"
     assert ms_cell(198.0) == "0.198" and ms_cell(1303.4) == "1.303"
+
+
+def test_the_benchmark_runs_a_plain_decoder_beside_a_chain(tmp_path):
+    """`decode_steps.py --modes plain,chain`: the plain arm is a decoder without a draft, which has no rounds to
+    switch (it once failed there on its first line, on every machine). On the CPU only the round is timed."""
+    import json
+
+    from chat_target import make_target
+    from decode_steps import main
+
+    make_target(tmp_path / "t")
+    out = tmp_path / "steps.json"
+    assert main(["--target", str(tmp_path / "t"), "--random-draft", "--device", "cpu", "--new", "6", "--repeats", "1",
+                 "--modes", "plain,chain", "--prompt-len", "8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"plain", "chain K=7"} and rows["plain"]["round_ms"] > 0 and rows["chain K=7"]["round_ms"] > 0
