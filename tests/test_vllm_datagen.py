@@ -112,6 +112,18 @@ def test_max_samples_stops_at_the_room_and_a_rerun_extends(world, tmp_path, monk
     assert m["counts"]["samples"] == 10 and m["progress"]["next_source"] == 10
 
 
+def test_regen_with_max_samples_asks_replies_only_for_the_room(world, tmp_path, monkeypatch):
+    d, target = world
+    fake = FakeVllm(target)
+    monkeypatch.setattr(engine, "run_job", fake)
+    monkeypatch.setattr(engine, "require", lambda: None)
+    m = run_vllm_datagen(str(d / "target"), d / "convs.jsonl", tmp_path / "v", CONTRACT, regen=True, max_samples=2,
+                         max_len=256, dtype="bf16", shard_size=4, progress=False,
+                         gen=datagen.GenConfig(max_new_tokens=4))
+    # 2 samples + 10% + 8 spare for prompts skipped after their reply; not all 12 conversations
+    assert len(fake.jobs[0].conversations) == 10 and m["counts"]["samples"] == 2
+
+
 def test_without_vllm_datagen_names_the_extra(world, capsys):
     from eaglewire.cli import main
 

@@ -67,6 +67,9 @@ def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, 
     start = writer.next_source
     convs = pset.conversations[start:]
     path = str(targets.resolve(target))
+    room = None if cfg.max_samples is None else cfg.max_samples - writer.samples
+    if regen and room is not None:  # replies only for what can be kept, with a margin for prompts skipped later
+        convs = convs[:max(0, room + room // 10 + 8)]
     if regen and convs:
         say(f"vLLM writes the replies to {len(convs)} conversations")
         job = engine.RegenJob(target=path, conversations=convs, max_new_tokens=gen.max_new_tokens,
@@ -75,7 +78,6 @@ def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, 
         convs = [c if any(m["role"] == "assistant" for m in c) else prompts.Skip("prompt longer than --max-len")
                  for c in engine.run_job(job)["conversations"]]
     encoded = datagen.encode_chunk(t.tokenizer, convs, cfg)
-    room = None if cfg.max_samples is None else cfg.max_samples - writer.samples
     if room is not None:  # stop where the samples fill the room, as run_datagen's chunks do
         kept = [i for i, e in enumerate(encoded) if not isinstance(e, prompts.Skip)]
         if room <= 0:
