@@ -104,7 +104,12 @@ def test_sglang_refuses_uncapturable_taps_and_writes_nothing(tmp_path, taps):
         interop.export_draft(tmp_path / "ck", "sglang", tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary directory left either
-    assert interop.export_draft(tmp_path / "ck", "vllm", tmp_path / "v").ids == list(taps)
+    if 0 in taps:  # vLLM feeds the last layer's state at id 0 (taps.py _VLLM_ID0): refused too
+        with pytest.raises(UsageError, match="not the embedding"):
+            interop.export_draft(tmp_path / "ck", "vllm", tmp_path / "v")
+        assert not (tmp_path / "v").exists()
+    else:
+        assert interop.export_draft(tmp_path / "ck", "vllm", tmp_path / "v").ids == list(taps)
 
 
 @pytest.mark.parametrize("flags,version,match", [

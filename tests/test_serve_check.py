@@ -12,6 +12,7 @@ import pytest
 import torch
 from chat_target import char_tokenizer
 from decoding import fit, new_draft
+from safetensors.torch import load_file, save_file
 
 from eaglewire import checkpoint, interop
 from eaglewire.bench import run as bench
@@ -61,7 +62,21 @@ class FakeVllm:
             ids = json.loads((Path(job.draft) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
             native = w / f"as-served-{'-'.join(map(str, ids))}"
             if not native.exists():
-                interop.import_draft(job.draft, native, target=str(w / "target"))
+                # vLLM 0.26.0 feeds the last layer's output at id 0 (interfaces.py _maybe_add_hidden_state keeps the
+                # embedding tensor, which layernorm.py's in-place fused add-RMSNorm overwrites): the draft is served
+                # as such, its fc slots reordered so that the taps it reads can be written in increasing order
+                fed = [8 if i == 0 else i for i in ids]
+                order = sorted(range(len(fed)), key=fed.__getitem__)
+                served = Path(job.draft).with_name(Path(job.draft).name + "-as-fed")
+                served.mkdir(exist_ok=True)
+                tensors = load_file(str(Path(job.draft) / "model.safetensors"))
+                H = tensors["fc.weight"].shape[1] // len(fed)
+                tensors["fc.weight"] = torch.cat([tensors["fc.weight"][:, k * H:(k + 1) * H] for k in order], 1)
+                save_file(tensors, str(served / "model.safetensors"))
+                conf = json.loads((Path(job.draft) / "config.json").read_text())
+                conf["eagle_aux_hidden_state_layer_ids"] = sorted(fed)
+                (served / "config.json").write_text(json.dumps(conf))
+                interop.import_draft(served, native, target=str(w / "target"))
         _, _, _, t, draft, meta, _, eos = bench.prepare(str(w / "target"), str(native), cfg)
         prompts = [encode_prompt(t.tokenizer, c) for c in job.conversations]
         _, run, _ = bench.decoder_runner(t, draft, meta, cfg, torch.device("cpu"), eos, speculate=job.draft is not None)
@@ -123,12 +138,16 @@ def test_greedy_tokens_that_change_with_the_draft_fail_unless_at_a_near_tie(worl
 def test_wirings_serve_the_same_weights_with_other_ids(world, monkeypatch):
     fake = FakeVllm(world)
     r = _check(world, monkeypatch, fake, with_wirings=True)
-    got = {w["label"]: w for w in r["wirings"]}
-    assert set(got) == {"every tap -1", "every tap +1", "embedding in place of tap 2"}
-    assert got["every tap +1"]["taps"] == [3, 5, 6] and got["every tap +1"]["aux_layers"]["ids"] == [3, 5, 6]
-    # the draft was fitted to [2, 4, 5]: the engine accepts less with the ids one layer off
+    got = {w["label"].split(":")[0]: w for w in r["wirings"]}
+    assert set(got) == {"every tap -1", "every tap +1", "id 0 for tap 2"}
+    assert got["every tap +1"]["ids"] == [3, 5, 6] and got["every tap +1"]["aux_layers"]["ids"] == [3, 5, 6]
+    assert got["id 0 for tap 2"]["ids"] == [0, 4, 5]
+    # the draft was fitted to [2, 4, 5]: the engine accepts less with the ids one layer off, and least where id 0
+    # hands it the last layer's output
     assert got["every tap +1"]["acceptance_length"] < r["vllm"]["acceptance_length"]
+    assert got["id 0 for tap 2"]["acceptance_length"] < r["vllm"]["acceptance_length"]
     assert all(j.enforce_eager for j in fake.jobs[2:])
+    assert "id 0 for tap 2" in sc.render(r)
 
 
 def test_an_engine_export_is_served_as_it_is(world, monkeypatch, tmp_path):
@@ -177,10 +196,10 @@ def test_top2_gaps_and_the_aux_layer_log_line():
     assert engine.aux_layers("nothing here") is None
 
 
-def test_with_taps_rewrites_only_the_ids_and_links_the_weights(world, tmp_path):
+def test_with_ids_rewrites_only_the_ids_and_links_the_weights(world, tmp_path):
     src = tmp_path / "src"
     interop.export_draft(world / "ck", "vllm", src)
-    out = sc.with_taps(src, (3, 5, 6), 8, tmp_path / "w")
+    out = sc.with_ids(src, [3, 5, 6], tmp_path / "w")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6] and "eaglewire" not in cfg
     assert (out / "model.safetensors").is_symlink()

@@ -42,7 +42,13 @@ def test_every_convention_round_trips_exactly(name):
 def test_vllm_uses_ids_as_taps():
     # vllm/model_executor/models/llama.py: aux state = hidden_states + residual BEFORE layer j
     assert CONVENTIONS["vllm"].to_ids((2, 15, 27), 30) == [2, 15, 27]
-    assert CONVENTIONS["vllm"].to_ids((0, 30), 30) == [0, 30]  # EagleModelMixin, vLLM PR #36063
+    assert CONVENTIONS["vllm"].to_ids((1, 30), 30) == [1, 30]  # id N: EagleModelMixin, vLLM PR #36063
+    # vllm/model_executor/models/interfaces.py _maybe_add_hidden_state keeps the embedding tensor itself at id 0,
+    # which layernorm.py's in-place fused_add_rms_norm overwrites: served, id 0 fed the last layer's state (run 20)
+    with pytest.raises(TapError, match="not the embedding"):
+        CONVENTIONS["vllm"].to_ids((0, 15, 27), 30)
+    with pytest.raises(TapError, match="not the embedding"):
+        CONVENTIONS["vllm"].from_ids([0, 15, 27], 30)
     with pytest.raises(TapError, match="upgrade vLLM"):
         CONVENTIONS["vllm-legacy"].to_ids((0, 15), 30)
 

@@ -75,7 +75,19 @@ def test_the_host_target_is_the_loaded_one_without_its_weights(world):
 
 def test_vllm_ids_are_the_taps_and_the_last_layer_in_layer_order():
     assert vllm_ids(TapContract(30, (2, 15, 27))) == [2, 15, 27, 30]
-    assert vllm_ids(TapContract(8, (0, 4, 8))) == [0, 4, 8]  # tap N serves both
+    assert vllm_ids(TapContract(8, (1, 4, 8))) == [1, 4, 8]  # tap N serves both
+
+
+def test_an_embedding_tap_is_refused_before_vllm_is_needed(world, capsys):
+    """vLLM 0.26.0 hands over the last layer's output at id 0, not the embedding (taps.py _VLLM_ID0): data captured
+    there would be silently wrong, so the command refuses it in one line, vLLM installed or not."""
+    from eaglewire.cli import main
+
+    d, _ = world
+    code = main(["datagen", "--target", str(d / "target"), "--prompts", str(d / "convs.jsonl"), "--out",
+                 str(d / "never0"), "--engine", "vllm", "--taps", "0,4,5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "not the embedding" in err[0] and not (d / "never0").exists()
 
 
 @pytest.mark.parametrize("regen", [False, True])

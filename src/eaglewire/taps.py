@@ -167,14 +167,21 @@ def _one(n: int) -> int:
 _SGLANG_WHY = ("SGLang captures `hidden_states + residual` at the start of layer loop iteration id+1: "
                "the embedding (residual is None at layer 0) and the output of the last layer are never captured")
 
+# vLLM 0.26.0, models/interfaces.py `_maybe_add_hidden_state`: at id 0 (residual still None) it keeps the embedding
+# tensor itself, not a sum; llama.py's first layer then makes that tensor its residual, and layernorm.py's
+# fused_add_rms_norm updates the residual in place, layer after layer. Served with id 0, a SmolLM2 draft accepted
+# 1.08 where the draft fed the last layer's output in that slot replays at 1.07 (benchmarks/results, run 20).
+_VLLM_ID0 = ("vLLM (0.26.0) hands the draft the last layer's output at id 0, not the embedding: the embedding "
+             "tensor it keeps is the residual its fused add-RMSNorm then overwrites in place")
+
 CONVENTIONS: dict[str, Convention] = {c.name: c for c in [
     Convention("hf", "index into HF output_hidden_states (hs[N] is post-norm, so tap N has no index)",
                "model(..., output_hidden_states=True).hidden_states[id]", "transformers modeling_*.py",
                0, _zero, _n_minus_1, "hidden_states[N] is after the final norm, not tap N"),
-    Convention("vllm", "id j = tap j, captured as hidden_states + residual before layer j (0 and N need "
+    Convention("vllm", "id j = tap j, captured as hidden_states + residual before layer j (N needs "
                "EagleModelMixin, vLLM PR #36063; DeepSeek family PR #46973)",
                "config.json top-level eagle_aux_hidden_state_layer_ids",
-               "vllm/model_executor/models/llama.py, deepseek_v2.py", 0, _zero, _n),
+               "vllm/model_executor/models/llama.py, interfaces.py, deepseek_v2.py", 0, _one, _n, _VLLM_ID0),
     Convention("vllm-legacy", "id j = tap j, vLLM before EagleModelMixin: layers 1..N-1 only",
                "config.json top-level eagle_aux_hidden_state_layer_ids",
                "vllm/model_executor/models/llama.py (before PR #36063)", 0, _one, _n_minus_1,

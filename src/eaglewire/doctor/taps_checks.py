@@ -44,10 +44,10 @@ def check_taps(ctx: Context) -> list[Finding]:
                                "retrain on 3 taps (vLLM's llama_eagle3.py fc is 3 taps wide)"))
     if not s.recorded and v.ids is None:
         truth = None  # what the engine reads says nothing of the trained taps: stated ids (if any) are the evidence
-    if truth is not None and ctx.engine == "vllm" and (0 in truth or N in truth):
-        out.append(finding("TAPS_UNSUPPORTED", "info", f"taps {list(truth)} include the embedding (0) or the last "
-                           f"layer's output ({N}): vLLM captures those only with EagleModelMixin (PR #36063; "
-                           "DeepSeek-family targets: PR #46973); older vLLM returns fewer hidden states",
+    if truth is not None and ctx.engine == "vllm" and N in truth:
+        out.append(finding("TAPS_UNSUPPORTED", "info", f"taps {list(truth)} include the last layer's output ({N}): "
+                           "vLLM captures it only with EagleModelMixin (PR #36063; DeepSeek-family targets: "
+                           "PR #46973); older vLLM returns fewer hidden states",
                            "serve it with a vLLM release that includes those pull requests"))
     remedy = taps_remedy(ctx, truth) if truth is not None else None
     if v.ids is None:
@@ -71,8 +71,9 @@ def check_taps(ctx: Context) -> list[Finding]:
 
 def _unsupported(ctx: Context, truth, why: str) -> Finding:
     if ctx.engine == "sglang":
-        fix = ("serve it with vLLM, which captures every tap 0..N by id (vLLM with EagleModelMixin, PR #36063): "
-               "export the native checkpoint with --format vllm")
+        fix = ("serve it with vLLM, which captures taps 1..N by id (tap N with EagleModelMixin, PR #36063): export "
+               "the native checkpoint with --format vllm" if 0 not in truth else
+               "retrain on taps 1..N-1: neither SGLang nor vLLM feeds the draft the embedding (tap 0)")
     else:
         fix = "retrain on taps this engine captures (`eaglewire taps --target T` lists each engine's range)"
     return finding("TAPS_UNSUPPORTED", "error", f"{engine_name(ctx)} cannot capture the trained taps {list(truth)}: "

@@ -9,8 +9,9 @@ counters are the ground truth here: the same prompts, greedy, batch 1, through
      is served as it is), (c) eaglewire's decoder without and with it;
 then acceptance length, acceptance by position and tokens/s side by side, and the engine's greedy tokens with
 and without the draft compared token for token. `--wirings` serves the draft again with the tap ids of the
-doctor's main alternative wirings (every tap -1, every tap +1, the embedding in place of the first tap): the
-engine's acceptance for each is what `eaglewire doctor --probe` estimates.
+doctor's main alternative wirings (every tap -1, every tap +1, and id 0 in place of the first: the embedding on
+paper, the last layer's output in vLLM 0.26.0): the engine's acceptance for each is the ground truth that
+`eaglewire doctor --probe` estimates.
 
 Exit 1 when the two acceptance lengths differ by more than TOLERANCE, or when the engine's greedy tokens differ
 with and without the draft other than at a near-tie.
@@ -74,23 +75,29 @@ def prepare_draft(draft, target_spec: str, work: Path, chain: int) -> Prepared:
     return Prepared(engine_dir, Path(native), tuple(view.captured_taps), N, how)
 
 
-def wirings(taps: tuple[int, ...], num_layers: int) -> list[tuple[str, tuple[int, ...]]]:
-    """The doctor's main alternatives that an engine can be told to capture: every tap -1 and +1, the embedding
-    in place of the first tap."""
+def wirings(taps: tuple[int, ...], num_layers: int) -> list[tuple[str, list[int]]]:
+    """(label, vLLM ids) of the doctor's main alternatives: every tap -1 and +1, and id 0 for the first tap, the
+    embedding on paper. vLLM 0.26.0 feeds the last layer's output at id 0 (taps._VLLM_ID0), so that row measures
+    what a checkpoint asking for the embedding really gets."""
     from ..doctor.probe import candidates
 
-    keep = ("every tap -1", "every tap +1", f"embedding in place of tap {taps[0]}")
-    return [(w.label, w.sources) for w in candidates(taps, None, num_layers) if w.label in keep and w.plain]
+    conv = CONVENTIONS["vllm"]
+    out = [(w.label, conv.to_ids(w.sources, num_layers)) for w in candidates(taps, None, num_layers)
+           if w.label in ("every tap -1", "every tap +1") and w.plain and min(w.sources) >= 1]
+    if taps[0] > 0:
+        out.append((f"id 0 for tap {taps[0]}: the embedding on paper, the last layer's output in vLLM",
+                    [0] + conv.to_ids(taps[1:], num_layers)))
+    return out
 
 
-def with_taps(engine_dir: Path, taps, num_layers: int, out: Path) -> Path:
-    """A copy of an engine directory whose top-level ids (vLLM: id j = tap j) capture `taps`; weights linked."""
+def with_ids(engine_dir: Path, ids, out: Path) -> Path:
+    """A copy of an engine directory whose top-level ids are `ids` (vLLM's words); weights linked."""
     out.mkdir(parents=True)
     for f in engine_dir.iterdir():
         if f.is_file() and f.name != "config.json":
             (out / f.name).symlink_to(f.resolve())
     cfg = json.loads((engine_dir / "config.json").read_text())
-    cfg[IDS_KEY] = CONVENTIONS["vllm"].to_ids(tuple(taps), num_layers)
+    cfg[IDS_KEY] = [int(i) for i in ids]
     cfg.pop(PROVENANCE_KEY, None)  # the record would contradict the ids written here
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
@@ -199,12 +206,11 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         log("eaglewire serve-check: vLLM with the draft")
         spec = engine.run_job(engine.Job(draft=str(p.engine_dir), **job))
         alts = []
-        for label, taps in (wirings(p.taps, p.num_layers) if with_wirings else []):
-            d = with_taps(p.engine_dir, taps, p.num_layers, work / f"wiring-{'-'.join(map(str, taps))}")
-            log(f"eaglewire serve-check: vLLM with the draft fed taps {list(taps)} ({label})")
+        for label, ids in (wirings(p.taps, p.num_layers) if with_wirings else []):
+            d = with_ids(p.engine_dir, ids, work / f"wiring-{'-'.join(map(str, ids))}")
+            log(f"eaglewire serve-check: vLLM with the draft given ids {ids} ({label})")
             r = engine.run_job(engine.Job(draft=str(d), enforce_eager=True, **job))
-            alts.append({"label": label, "taps": list(taps), "aux_layers": r["aux_layers"],
-                         **counts(engine_rows(r), chain)})
+            alts.append({"label": label, "ids": ids, "aux_layers": r["aux_layers"], **counts(engine_rows(r), chain)})
         return result(p, mine, plain, spec, alts, chain, max_new_tokens, target)
     finally:
         if own:
@@ -262,10 +268,10 @@ def render(r: dict) -> str:
     if seen and seen["ids"] != r["draft"]["taps"]:
         lines.append(f"vLLM captured taps {seen['ids']}, not {r['draft']['taps']}: run `eaglewire doctor`")
     if r["wirings"]:
-        lines += ["", "the engine's acceptance with other tap ids (what `eaglewire doctor --probe` estimates):",
-                  f"  {'taps':<16}{'accept-len':>12}  what"]
+        lines += ["", "the engine's acceptance with other ids (what `eaglewire doctor --probe` estimates):",
+                  f"  {'vLLM ids':<16}{'accept-len':>12}  what"]
         lines.append(f"  {str(r['draft']['taps']):<16}{f(v['acceptance_length']):>12}  the draft's ids")
-        lines += [f"  {str(w['taps']):<16}{f(w['acceptance_length']):>12}  {w['label']}" for w in r["wirings"]]
+        lines += [f"  {str(w['ids']):<16}{f(w['acceptance_length']):>12}  {w['label']}" for w in r["wirings"]]
     lines += ["", "ok" if r["ok"] else "NOT OK: see above"]
     return "\n".join(lines)
 
@@ -288,9 +294,9 @@ def plot(r: dict, out) -> Path:
     if r["wirings"]:
         bx = fig.add_subplot(1, 2, 2)
         rows = [(str(r["draft"]["taps"]), r["vllm"]["acceptance_length"])] + \
-            [(f"{w['taps']} {w['label']}", w["acceptance_length"]) for w in r["wirings"]]
+            [(f"{w['ids']} {w['label'].split(':')[0]}", w["acceptance_length"]) for w in r["wirings"]]
         bx.barh([a for a, _ in rows][::-1], [b or 0 for _, b in rows][::-1], color="#228833")
-        bx.set(xlabel="vLLM acceptance length", title="other tap ids")
+        bx.set(xlabel="vLLM acceptance length", title="other ids")
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -321,7 +327,8 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="M")
     p.add_argument("--chain", type=int, default=7, metavar="K", help="draft tokens a step (default 7)")
     p.add_argument("--wirings", action="store_true",
-                   help="serve again with every tap -1, +1 and the embedding in place of the first tap")
+                   help="serve again with every id -1, every id +1, and id 0 in place of the first (the embedding on "
+                        "paper; vLLM feeds the last layer's output there)")
     cli_args.add_device(p, help="where eaglewire's decoder runs (default: cuda if available)")
     p.add_argument("--json", default=None, metavar="OUT")
     p.add_argument("--plot", default=None, metavar="OUT.png")

@@ -53,13 +53,13 @@ def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, 
     cfg = datagen.DatagenConfig(regen=regen, max_samples=max_samples, max_len=max_len, gen=gen, **options)
     if tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    ids = vllm_ids(contract)  # refuses taps vLLM cannot hand over before vLLM is needed
     engine.require()
     t = host_target(target)
     chat.require_chat_template(t.tokenizer, f"--target {t.spec}")
     if contract.num_layers != t.num_layers:
         raise UsageError(f"tap contract is for {contract.num_layers} layers, --target {t.spec} has {t.num_layers}")
     pset = prompts.load_pool(prompts_path, need_assistant=not regen)
-    ids = vllm_ids(contract)
     base = datagen.manifest_base(t, contract, pset, cfg)
     base["args"] = {**base["args"], "target_dtype": "bfloat16", "capture_engine": "vllm"}
     base["captured_by"] = {"engine": "vllm", "layer_ids": ids, "tensor_parallel_size": tensor_parallel_size}

@@ -57,9 +57,9 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, fmt: str, nu
         ids = CONVENTIONS["vllm"].to_ids(contract.taps, contract.num_layers)
     except TapError as e:
         raise UsageError(f"vLLM cannot capture these taps: {e}") from None
-    if 0 in contract.taps or contract.num_layers in contract.taps:
-        notes.append("taps include the embedding (0) or the last layer's output: vLLM captures them only from "
-                     "PR #36063 on (EagleModelMixin), DeepSeek-family targets from PR #46973 on")
+    if contract.num_layers in contract.taps:
+        notes.append("taps include the last layer's output: vLLM captures it only from PR #36063 on "
+                     "(EagleModelMixin), DeepSeek-family targets from PR #46973 on")
     layer = hf_fields(c)
     layer.pop("target_hidden_size", None)
     layer["architectures"] = ["LlamaForCausalLM"]
