@@ -147,6 +147,11 @@ def test_wirings_serve_the_same_weights_with_other_ids(world, monkeypatch):
     assert got["every tap +1"]["acceptance_length"] < r["vllm"]["acceptance_length"]
     assert got["id 0 for tap 2"]["acceptance_length"] < r["vllm"]["acceptance_length"]
     assert all(j.enforce_eager for j in fake.jobs[2:])
+    # each row against the draft's own ids, paired over the same prompts
+    zero = got["id 0 for tap 2"]["vs_draft_ids"]
+    assert zero["difference"] == pytest.approx(got["id 0 for tap 2"]["acceptance_length"]
+                                               - r["vllm"]["acceptance_length"])
+    assert zero["interval"][0] <= zero["difference"] <= zero["interval"][1] < 0
     assert "id 0 for tap 2" in sc.render(r)
 
 

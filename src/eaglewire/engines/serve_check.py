@@ -119,22 +119,34 @@ def speed(per_prompt: list[dict]) -> float | None:
     return tokens / seconds if seconds else None
 
 
-def agreement(ours: list[dict], theirs: list[dict]) -> dict:
-    """Ours against the engine's acceptance length: the relative difference, its paired interval over prompts
-    (doctor/paired.py), and whether it is within TOLERANCE."""
+def _per_prompt(rows: list[dict]):
+    """Per-prompt engine counters as the paired bootstrap's tallies (doctor/paired.py)."""
     import torch
 
     from ..doctor import paired
 
-    def pp(rows):
-        t = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
-        return paired.PerPrompt(t([r["drafts"] + r["accepted"] for r in rows]), t([r["drafts"] for r in rows]),
-                                t([(r["accepted_per_pos"] or [0])[0] for r in rows]), t([r["drafts"] for r in rows]))
+    t = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
+    return paired.PerPrompt(t([r["drafts"] + r["accepted"] for r in rows]), t([r["drafts"] for r in rows]),
+                            t([(r["accepted_per_pos"] or [0])[0] for r in rows]), t([r["drafts"] for r in rows]))
 
-    d = paired.compare(pp(theirs), [pp(ours)])[0]
-    rel = d.length / d.base_length if d.base_length else 0.0
-    return {"difference": d.length, "interval": list(d.length_ci), "relative": rel, "tolerance": TOLERANCE,
-            "agree": abs(rel) <= TOLERANCE}
+
+def against(base: list[dict], others: list[list[dict]]) -> list[dict]:
+    """Each of `others` against `base` (per-prompt counters on the same prompts): the acceptance-length difference,
+    its simultaneous interval paired over prompts, and the relative difference."""
+    from ..doctor import paired
+
+    out = []
+    for d in paired.compare(_per_prompt(base), [_per_prompt(o) for o in others]):
+        out.append({"difference": d.length, "interval": list(d.length_ci),
+                    "relative": d.length / d.base_length if d.base_length else 0.0})
+    return out
+
+
+def agreement(ours: list[dict], theirs: list[dict]) -> dict:
+    """Ours against the engine's acceptance length: the relative difference, its paired interval over prompts
+    (doctor/paired.py), and whether it is within TOLERANCE."""
+    d = against(theirs, [ours])[0]
+    return {**d, "tolerance": TOLERANCE, "agree": abs(d["relative"]) <= TOLERANCE}
 
 
 def greedy_identity(plain: list[dict], spec: list[dict]) -> dict:
@@ -210,7 +222,8 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
             d = with_ids(p.engine_dir, ids, work / f"wiring-{'-'.join(map(str, ids))}")
             log(f"eaglewire serve-check: vLLM with the draft given ids {ids} ({label})")
             r = engine.run_job(engine.Job(draft=str(d), enforce_eager=True, **job))
-            alts.append({"label": label, "ids": ids, "aux_layers": r["aux_layers"], **counts(engine_rows(r), chain)})
+            alts.append({"label": label, "ids": ids, "aux_layers": r["aux_layers"], "per_prompt": engine_rows(r),
+                         **counts(engine_rows(r), chain)})
         return result(p, mine, plain, spec, alts, chain, max_new_tokens, target)
     finally:
         if own:
@@ -221,6 +234,8 @@ def result(p: Prepared, mine: dict, plain: dict, spec: dict, alts: list, chain: 
            target) -> dict:
     e_plain, e_spec = engine_rows(plain), engine_rows(spec)
     agree = agreement(mine["spec"], e_spec)
+    for alt, d in zip(alts, against(e_spec, [a["per_prompt"] for a in alts])):
+        alt["vs_draft_ids"] = d  # paired over the same prompts: the engine's greedy text is the same for each
     same = greedy_identity(plain["prompts"], spec["prompts"])
     seen = spec.get("aux_layers")
     wired = seen is None or tuple(seen["ids"]) == p.taps
@@ -268,10 +283,14 @@ def render(r: dict) -> str:
     if seen and seen["ids"] != r["draft"]["taps"]:
         lines.append(f"vLLM captured taps {seen['ids']}, not {r['draft']['taps']}: run `eaglewire doctor`")
     if r["wirings"]:
-        lines += ["", "the engine's acceptance with other ids (what `eaglewire doctor --probe` estimates):",
-                  f"  {'vLLM ids':<16}{'accept-len':>12}  what"]
-        lines.append(f"  {str(r['draft']['taps']):<16}{f(v['acceptance_length']):>12}  the draft's ids")
-        lines += [f"  {str(w['ids']):<16}{f(w['acceptance_length']):>12}  {w['label']}" for w in r["wirings"]]
+        lines += ["", "the engine's acceptance with other ids (what `eaglewire doctor --probe` estimates; the difference "
+                  "with its simultaneous 95% interval, paired over prompts):",
+                  f"  {'vLLM ids':<16}{'accept-len':>12}  {'difference':<26}what"]
+        lines.append(f"  {str(r['draft']['taps']):<16}{f(v['acceptance_length']):>12}  {'':<26}the draft's ids")
+        for w in r["wirings"]:
+            d = w["vs_draft_ids"]
+            diff = f"{d['difference']:+.2f} ({d['interval'][0]:+.2f}..{d['interval'][1]:+.2f})"
+            lines.append(f"  {str(w['ids']):<16}{f(w['acceptance_length']):>12}  {diff:<26}{w['label']}")
     lines += ["", "ok" if r["ok"] else "NOT OK: see above"]
     return "\n".join(lines)
 
