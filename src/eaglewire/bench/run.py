@@ -361,11 +361,34 @@ def prepare(target, draft, cfg: BenchConfig) -> tuple:
     errors (device, suite, context) before the models load or anything is timed."""
     device = pick_device(cfg.device)
     dtype = targets.dtype_of(cfg.dtype, device)
-    sp = suites.load_suite(cfg.suite, cfg.max_prompts)
+    named = cfg.suite in suites.SUITES
+    # a named suite is read whole, so that prompts the target cannot hold are left out before the even spacing
+    sp = suites.load_suite(cfg.suite, None if named else cfg.max_prompts)
     t, draft_model, meta = _load(target, draft, device, dtype)
-    prompts = [suites.encode_prompt(t.tokenizer, c).to(device) for c in sp.conversations]
+    prompts = [suites.encode_prompt(t.tokenizer, c) for c in sp.conversations]
+    if named:
+        sp, prompts = fitting(sp, prompts, cfg, t)
     check_context(prompts, cfg, t, sp.name)
-    return device, dtype, sp, t, draft_model, meta, prompts, targets.eos_ids(t)
+    return device, dtype, sp, t, draft_model, meta, [p.to(device) for p in prompts], targets.eos_ids(t)
+
+
+def fitting(sp, prompts: list[torch.Tensor], cfg: BenchConfig, target) -> tuple:
+    """A named suite without the prompts that, with --max-new-tokens, overflow the target's context (Arena-Hard
+    holds prompts of 11k tokens), then cut to --max-prompts evenly spaced; the cuts noted."""
+    limit = getattr(target.config, "max_position_embeddings", None)
+    keep = [i for i, p in enumerate(prompts) if not limit or p.shape[1] + cfg.max_new_tokens <= limit]
+    if not keep:
+        raise UsageError(f"--suite {cfg.suite}: no prompt fits the target's context of {limit} tokens with "
+                         f"--max-new-tokens {cfg.max_new_tokens}")
+    if len(keep) < len(prompts):
+        sp = suites.subset(sp, keep, f"{len(prompts) - len(keep)} prompts longer than the target's context of "
+                           f"{limit} tokens (with --max-new-tokens {cfg.max_new_tokens}) left out")
+        prompts = [prompts[k] for k in keep]
+    if cfg.max_prompts is not None and cfg.max_prompts < len(prompts):
+        pick = suites.evenly_spaced(len(prompts), cfg.max_prompts)
+        sp = suites.subset(sp, pick, f"{cfg.max_prompts} of the suite's prompts, evenly spaced over the file")
+        prompts = [prompts[k] for k in pick]
+    return sp, prompts
 
 
 def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, **settings) -> dict:

