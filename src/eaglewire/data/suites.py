@@ -241,6 +241,46 @@ def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
                         notes=notes, groups=groups)
 
 
+# ---- keeping the suites out of training data --------------------------------------------------------
+
+def _key(text: str) -> str:
+    """A prompt as compared for leakage: case and runs of whitespace do not make a prompt new."""
+    return " ".join(text.split()).casefold()
+
+
+def held_out_prompts(names=None) -> tuple[dict[str, set[str]], dict[str, str]]:
+    """({suite: its prompts' user turns, as compared}, {suite: why it could not be read}) for the packaged
+    suites (installed, cached, or fetched now); a suite that cannot be had is reported, not assumed clean."""
+    held, unread = {}, {}
+    for name in names or SUITES:
+        try:
+            sp = load_suite(name)
+        except EaglewireError as e:
+            unread[name] = str(e)
+            continue
+        held[name] = {_key(m["content"]) for c in sp.conversations for m in c if m["role"] == "user"}
+    return held, unread
+
+
+def leaks(convs: list[list[dict]], held: dict[str, set[str]]) -> list[tuple[int, str]]:
+    """(conversation index, suite) for every conversation with a user turn equal to one of a suite's prompts."""
+    out = []
+    for i, c in enumerate(convs):
+        keys = {_key(m["content"]) for m in c if m["role"] == "user"}
+        out += [(i, name) for name, prompts in held.items() if keys & prompts]
+    return out
+
+
+def without_held_out(convs: list[list[dict]], held: dict[str, set[str]]) -> tuple[list[list[dict]], dict[str, int]]:
+    """convs without those that hold a suite's prompt, and how many each suite caught."""
+    hit = leaks(convs, held)
+    bad = {i for i, _ in hit}
+    caught: dict[str, int] = {}
+    for _, name in hit:
+        caught[name] = caught.get(name, 0) + 1
+    return [c for i, c in enumerate(convs) if i not in bad], caught
+
+
 def encode_prompt(tokenizer, messages: list[dict]) -> torch.Tensor:
     """The prompt ids (1, T) of a conversation under the target's chat template, generation prompt added."""
     if not getattr(tokenizer, "chat_template", None):
