@@ -117,8 +117,11 @@ def test_demo_recipe_runs_every_stage_through_the_cli(target_dir, tmp_path, caps
     assert "estimated acceptance length" in capsys.readouterr().out
 
 
-def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
+def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path, monkeypatch):
     prompts = sharegpt(tmp_path / "sg.json")
+    # the benchmark suites as the recipe reads them, one of their prompts in the training file (case aside)
+    monkeypatch.setattr(recipes.suites, "held_out_prompts",
+                        lambda names=None: ({"mt-bench": {"count to 7."}}, {"gsm8k": "not readable here"}))
     recipe = recipes._override(recipes.RECIPES["full"], recipe_args(
         "full", "--set", "epochs=1", "--set", "batch_tokens=1024", "--set", "max_len=256", "--set", "eval_fraction=0.2",
         "--max-new-tokens", "10", "--gen-batch-size", "8", "--budget-s", "600", "--turns", "2", "--self-prompts", "6",
@@ -137,7 +140,10 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     written = report["prompts"]["self_written"]  # prompts the target wrote itself, answered like the others
     assert written["asked"] == 6 and 0 < written["kept"] <= 6 and written["openers"] == "none"
     asked = [json.loads(line)["messages"] for line in open(tmp_path / "full" / "prompts.jsonl")]
-    assert len(asked) == report["prompts"]["used"] + written["kept"]
+    assert len(asked) == report["prompts"]["used"] + written["kept"] - 1
+    assert report["prompts"]["held_out"] == {"checked": ["mt-bench"], "unread": {"gsm8k": "not readable here"},
+                                             "dropped": {"mt-bench": 1}, "dropped_dataset_replies": {"mt-bench": 1}}
+    assert not any(m["content"] == "Count to 7." for c in asked for m in c)
     assert all(len(c) == 1 and len(c[0]["content"].split()) >= 3 for c in asked[-written["kept"]:])
     batches = report["regenerated"]["batches"]  # where regeneration's time went, batch by batch
     assert {b["turn"] for b in batches} == {1, 2} and all(b["rows"] <= 8 and 0 < b["steps"] <= 10 for b in batches)
@@ -146,7 +152,7 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path):
     # --dataset-replies: the file's own replies to the same turns, pooled with the target's for training
     own = (tmp_path / "full" / "dataset.jsonl").read_text().splitlines()
     assert json.loads(own[0])["messages"][1] == {"role": "assistant", "content": "Blue."}
-    assert len(own) == report["prompts"]["dataset_replies"]["conversations"] == 25
+    assert len(own) == report["prompts"]["dataset_replies"]["conversations"] == 24  # "Count to 7." left out
     pooled = (tmp_path / "full" / "training.jsonl").read_text().splitlines()
     assert pooled == (tmp_path / "full" / "regenerated.jsonl").read_text().splitlines() + own
     assert meta["training"]["data"]["prompts"]["file"] == "training.jsonl"
@@ -211,10 +217,17 @@ def test_set_refuses_unknown_fields():
         recipes._override(recipes.RECIPES["demo"], args)
 
 
-def test_turns_must_keep_a_user_turn():
-    args = recipe_args("full", "--turns", "0")
-    with pytest.raises(UsageError, match="--turns 0: keep at least 1 user turn"):
-        recipes._override(recipes.RECIPES["full"], args)
+def test_turns_must_keep_a_user_turn_or_say_all(tmp_path):
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(UsageError, match=f"--turns {bad}: give a number of user turns >= 1, or all"):
+            recipes._override(recipes.RECIPES["full"], recipe_args("full", "--turns", bad))
+    assert recipes._override(recipes.RECIPES["full"], recipe_args("full", "--turns", "3")).turns == 3
+    every = recipes._override(recipes.RECIPES["long"], recipe_args("long", "--turns", "all"))
+    assert every.turns is None and recipes.RECIPES["long"].turns == 3
+    convs, _ = recipes.first_turns(sharegpt(tmp_path / "sg.json"), limit=None, turns=every.turns)
+    assert convs[0] == [{"role": "user", "content": "Name a color."}, {"role": "user", "content": "Another?"}]
+    own, _ = recipes.first_turns(tmp_path / "sg.json", limit=None, turns=None, replies=True)
+    assert [m["content"] for m in own[0]] == ["Name a color.", "Blue.", "Another?", "Red."]
 
 
 def test_openers_steer_only_prompts_the_target_writes():

