@@ -144,8 +144,9 @@ def print_summary(checkpoint, m: dict, file=None) -> None:
     print(f"accuracy        {fmt(acc)}", file=file)
     print(f"conditional     {fmt(cond)}", file=file)
     if h.get("acceptance_length") is not None:
-        print(f"estimated acceptance length {h['acceptance_length']:.2f} (greedy chain of {len(acc)}, bonus token "
-              "included)", file=file)
+        print(f"estimated acceptance length {h['acceptance_length']:.2f} on held-out replies of the training data "
+              f"(greedy chain of {len(acc)}, bonus token included); `eaglewire bench --suite mt-bench` measures the "
+              "decoder on prompts from elsewhere", file=file)
     if m.get("tokens_per_s"):
         gpus = m.get("world_size") or 1
         per_gpu = f" on each of {gpus} GPUs" if gpus > 1 else ""
