@@ -1,6 +1,7 @@
 """`eaglewire recipe`: prompt selection, and both recipes end to end on a tiny chat target (CPU)."""
 
 import importlib.util
+import dataclasses
 import json
 import os
 import subprocess
@@ -117,17 +118,25 @@ def test_demo_recipe_runs_every_stage_through_the_cli(target_dir, tmp_path, caps
     assert "estimated acceptance length" in capsys.readouterr().out
 
 
-def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path, monkeypatch):
+def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path, monkeypatch, capsys):
     prompts = sharegpt(tmp_path / "sg.json")
+    held_out = tmp_path / "held.txt"
+    held_out.write_text("spell a word\nname a fruit\ncount down\n")
     # the benchmark suites as the recipe reads them, one of their prompts in the training file (case aside)
     monkeypatch.setattr(recipes.suites, "held_out_prompts",
                         lambda names=None: ({"mt-bench": {"count to 7."}}, {"gsm8k": "not readable here"}))
     recipe = recipes._override(recipes.RECIPES["full"], recipe_args(
         "full", "--set", "epochs=1", "--set", "batch_tokens=1024", "--set", "max_len=256", "--set", "eval_fraction=0.2",
         "--max-new-tokens", "10", "--gen-batch-size", "8", "--budget-s", "600", "--turns", "2", "--self-prompts", "6",
-        "--dataset-replies"))
+        "--dataset-replies", "--bench-suite", str(held_out)))
+    recipe = dataclasses.replace(recipe, bench_new_tokens=12)
     report = recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts,
                                 device="cpu", progress=False)
+    # it ends with a bench on prompts it never trained on, printed last
+    b = report["bench"]
+    assert b["suite"] == "held.txt" and b["prompts"] == 3 and b["acceptance_length"] >= 1 and b["speedup"] > 0
+    assert (tmp_path / "full" / "bench.json").exists() and "bench" in report["stages_s"]
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("held-out bench (held.txt, 3 prompts")
     assert report["mode"] == "online" and "datagen" not in report["stages_s"]
     assert not (tmp_path / "full" / "data").exists()  # online: no shards on disk
     meta = json.loads((tmp_path / "full" / "draft" / "config.json").read_text())
@@ -166,7 +175,8 @@ def test_replies_mode_stops_after_regeneration(target_dir, tmp_path, capsys):
     replies to pool with other runs' and train on later); the same replies a training run writes."""
     prompts = sharegpt(tmp_path / "sg.json")
     argv = ["recipe", "full", "--target", str(target_dir), "--prompts", str(prompts), "--device", "cpu",
-            "--max-new-tokens", "10", "--gen-batch-size", "8", "--self-prompts", "4", "--no-progress"]
+            "--max-new-tokens", "10", "--gen-batch-size", "8", "--self-prompts", "4", "--no-progress",
+            "--bench-suite", "none"]
     assert cli.main([*argv, "--mode", "replies", "--out", str(tmp_path / "replies")]) == 0
     out = tmp_path / "replies"
     report = json.loads((out / "report.json").read_text())
@@ -187,7 +197,7 @@ def test_full_recipe_under_torchrun_shares_regeneration_and_trains_with_ddp(targ
     is trained by both ranks (DDP) and reported once."""
     prompts = sharegpt(tmp_path / "sg.json")
     argv = ["recipe", "full", "--target", str(target_dir), "--prompts", str(prompts), "--device", "cpu",
-            "--max-new-tokens", "10", "--gen-batch-size", "8", "--turns", "2", "--no-progress",
+            "--max-new-tokens", "10", "--gen-batch-size", "8", "--turns", "2", "--no-progress", "--bench-suite", "none",
             "--set", "epochs=1", "--set", "batch_tokens=1024", "--set", "max_len=256", "--set", "eval_fraction=0.2"]
     assert cli.main([*argv, "--out", str(tmp_path / "one")]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
@@ -236,6 +246,8 @@ def test_openers_steer_only_prompts_the_target_writes():
     r = recipes._override(recipes.RECIPES["full"], recipe_args("full", "--self-prompts", "8",
                                                                  "--self-prompt-openers", "tasks"))
     assert (r.self_prompts, r.self_prompt_openers) == (8, "tasks")
+    assert r.bench_suite == "mt-bench" and recipes.RECIPES["long"].bench_suite == "mt-bench"  # ends with a bench
+    assert recipes._override(recipes.RECIPES["full"], recipe_args("full", "--bench-suite", "none")).bench_suite is None
     assert recipes.RECIPES["full"].self_prompt_openers == "none"  # the best draft's recipe, unchanged
 
 
@@ -251,7 +263,8 @@ def test_the_recipe_steers_its_self_written_prompts(target_dir, tmp_path, monkey
     monkeypatch.setattr(datagen, "self_prompts", writer)
     recipe = recipes._override(recipes.RECIPES["full"], recipe_args(
         "full", "--set", "steps=1", "--set", "batch_tokens=512", "--set", "max_len=128", "--set", "eval_fraction=0.5",
-        "--max-new-tokens", "4", "--max-prompts", "2", "--self-prompts", "2", "--self-prompt-openers", "tasks"))
+        "--max-new-tokens", "4", "--max-prompts", "2", "--self-prompts", "2", "--self-prompt-openers", "tasks",
+        "--bench-suite", "none"))
     report = recipes.run_recipe(recipe, tmp_path / "r", target=str(target_dir),
                                 prompts_path=sharegpt(tmp_path / "sg.json"), device="cpu", progress=False)
     assert asked == [datagen.OPENERS] and report["prompts"]["self_written"]["openers"] == "tasks"
@@ -272,7 +285,7 @@ def test_long_recipe_pools_every_kind_of_reply(target_dir, tmp_path, monkeypatch
     monkeypatch.setattr(datagen, "self_prompts", writer)
     recipe = recipes._override(recipes.RECIPES["long"], recipe_args(
         "long", "--set", "steps=1", "--set", "batch_tokens=512", "--set", "max_len=128", "--set", "eval_fraction=0.5",
-        "--max-new-tokens", "4", "--max-prompts", "3"))
+        "--max-new-tokens", "4", "--max-prompts", "3", "--bench-suite", "none"))
     report = recipes.run_recipe(recipe, tmp_path / "r", target=str(target_dir),
                                 prompts_path=sharegpt(tmp_path / "sg.json"), device="cpu", progress=False)
     assert asked == [(25000, datagen.OPENERS)]

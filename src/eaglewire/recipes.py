@@ -65,7 +65,10 @@ class Recipe:
     capture_batch: int = 8  # datagen's capture batch
     storage_dtype: str = "bf16"  # datagen's taps dtype
     budget_s: float | None = None  # whole recipe, wall clock; training stops (and saves) in time
-    reserve_s: float = 0.0  # kept back from training for the final evaluation and the save
+    reserve_s: float = 0.0  # kept back from training for the final evaluation, the save and the held-out bench
+    bench_suite: str | None = None  # the held-out bench the recipe ends with (a suite name or FILE; None: none)
+    bench_prompts: int = 10
+    bench_new_tokens: int = 256
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -83,8 +86,11 @@ RECIPES: dict[str, Recipe] = {
     # vocabulary is EAGLE-3's 32000. lr 1e-3 and more epochs than the budget allows: the clock stops
     # training and the cosine is moved to end there (train/trainer.py); on the H200 3e-4 for 2 epochs reached acc@1 0.22,
     # 1e-3 for 170 s reached 0.42 and was still rising (benchmarks/results/2026-11-29-run01-first-full-recipe.md).
+    # The held-out bench at the end (10 MT-bench prompts, 256 tokens: ~25 s of warm-up and ~10 s on the H200,
+    # benchmarks/results run 20) is paid out of the reserve.
     "full": Recipe(name="full", device="cuda", mode="online", max_prompts=None, max_len=1024, budget_s=570,
-                   reserve_s=30, gen=datagen.GenConfig(max_new_tokens=256, batch_size=2048, batch_tokens=1536 * 1024),
+                   reserve_s=75, bench_suite="mt-bench",
+                   gen=datagen.GenConfig(max_new_tokens=256, batch_size=2048, batch_tokens=1536 * 1024),
                    train=TrainConfig(epochs=20, batch_tokens=16384, lr=1e-3, min_lr_ratio=0.1, draft_vocab_size=32000,
                                      eval_fraction=0.02, log_every=25, ckpt_every=0, max_len=1024, num_workers=0)),
 }
@@ -324,7 +330,29 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
                   heldout=m["heldout"], checkpoint=str(result.checkpoint))
     if dist.main:
         print_summary(result.checkpoint, m)
+        if recipe.bench_suite:
+            report["bench"] = _held_out_bench(recipe, tgt, result.checkpoint, out, progress)
+            t = stage("bench", t)
     return _report(report, stages, t0, dist, out)
+
+
+def _held_out_bench(recipe: Recipe, tgt, checkpoint_dir, out: Path, progress: bool) -> dict:
+    """A short `bench` of the new draft on a suite it never trained on (the recipes leave the suites out): the
+    numbers to plan with. A suite that cannot be read skips it with the reason; the draft is kept either way."""
+    from .bench import run as bench
+
+    log = (lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None)
+    try:
+        r = bench.run_bench(tgt, str(checkpoint_dir), recipe.bench_suite, json_out=out / "bench.json", log=log,
+                            max_prompts=recipe.bench_prompts, max_new_tokens=recipe.bench_new_tokens, hf=False,
+                            device=str(tgt.device))
+    except EaglewireError as e:
+        print(f"eaglewire recipe {recipe.name}: no held-out bench: {e}", file=sys.stderr)
+        return {"suite": recipe.bench_suite, "skipped": str(e)}
+    return {"suite": r["suite"]["name"], "prompts": r["suite"]["prompts"], "max_new_tokens": recipe.bench_new_tokens,
+            "acceptance_length": r["acceptance"]["acceptance_length"], "speedup": r["speedups"]["spec/base"],
+            "tokens_per_s": r["runs"]["spec"]["tokens_per_s"], "tokens_per_s_without": r["runs"]["base"]["tokens_per_s"],
+            "json": "bench.json"}
 
 
 def _report(report: dict, stages: dict, t0: float, dist: Dist, out: Path) -> dict:
@@ -336,6 +364,11 @@ def _report(report: dict, stages: dict, t0: float, dist: Dist, out: Path) -> dic
     r = report["regenerated"]
     print(f"regenerated {r['conversations']} replies, {r['reply_tokens']} tokens at "
           f"{(r['tokens_per_s'] or 0):.0f} tok/s; stages (s): {stages}; total {report['total_s']} s")
+    b = report.get("bench")
+    if b and "skipped" not in b:  # last: what to plan with
+        print(f"held-out bench ({b['suite']}, {b['prompts']} prompts, {b['max_new_tokens']} new tokens, never trained "
+              f"on): acceptance length {b['acceptance_length']:.2f}, {b['tokens_per_s']:.1f} tok/s, "
+              f"{b['speedup']:.2f}x eaglewire without the draft")
     return report
 
 
@@ -370,6 +403,10 @@ def _override(recipe: Recipe, args) -> Recipe:
                                   ("engine", args.gen_engine), ("seed", args.seed)) if v is not None}
     if args.self_prompts is not None and args.self_prompts < 0:
         raise UsageError(f"--self-prompts {args.self_prompts}: give a count >= 0")
+    if args.bench_suite is not None:
+        rec_over_bench = {"bench_suite": None if args.bench_suite == "none" else args.bench_suite}
+    else:
+        rec_over_bench = {}
     rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s), ("turns", turns),
                                   ("mode", args.mode), ("self_prompts", args.self_prompts),
                                   ("self_prompt_openers", args.self_prompt_openers),
@@ -378,6 +415,7 @@ def _override(recipe: Recipe, args) -> Recipe:
         raise UsageError("--self-prompt-openers tasks steers the prompts the target writes: give --self-prompts N too")
     if rec_over.get("turns") == ALL_TURNS:
         rec_over["turns"] = None
+    rec_over.update(rec_over_bench)
     return dataclasses.replace(recipe, gen=dataclasses.replace(recipe.gen, **gen_over),
                                train=TrainConfig.from_dict({**recipe.train.to_dict(), **train_over}), **rec_over)
 
@@ -430,5 +468,7 @@ def register(sub) -> None:
                         "seed writes other prompts, e.g. for a further --init-from round)")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="override a training setting, e.g. --set epochs=3 --set lr=2e-4 (repeatable)")
+    p.add_argument("--bench-suite", default=None, metavar="NAME|FILE",
+                   help="the held-out bench full and long end with (default mt-bench, 10 prompts; none: skip it)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_recipe)
