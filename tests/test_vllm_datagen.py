@@ -146,3 +146,33 @@ def test_without_vllm_datagen_names_the_extra(world, capsys):
                  str(d / "never"), "--engine", "vllm"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "eaglewire[vllm]" in err[-1] and not (d / "never").exists()
+
+
+def test_capture_engines_compares_each_tap_and_writes_the_hooks_dataset(world, tmp_path, monkeypatch):
+    """benchmarks/capture_engines.py compare on a vLLM-format dataset (the engine faked by fp32 hooks): the same
+    samples captured again by the hooks, each tap set against the fp32 reference. Here "vLLM" is exact fp32, so its
+    distance to the reference is nil while the bf16 hooks' is not: a swapped pair or tap would show."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from capture_engines import compare
+
+    d, _ = world
+    monkeypatch.setattr(engine, "run_job", FakeVllm(world[1]))
+    monkeypatch.setattr(engine, "require", lambda: None)
+    run_vllm_datagen(str(d / "target"), d / "convs.jsonl", tmp_path / "v", CONTRACT, progress=False, max_len=256,
+                     dtype="fp32", shard_size=5)
+    r = compare(tmp_path / "v", tmp_path / "h", batch_size=4, device="cpu")
+    names = [f"tap {k} (layer {t})" for k, t in enumerate(CONTRACT.taps)] + ["final (post-norm)"]
+    assert r["samples"] == 12 and list(r["rows"]["vllm-fp32"]) == names
+    for name in names:
+        assert r["rows"]["vllm-fp32"][name]["relative"] < 1e-5
+        assert r["rows"]["hooks_bf16-fp32"][name]["relative"] > 1e-4
+        assert r["rows"]["vllm-hooks_bf16"][name]["relative"] == pytest.approx(
+            r["rows"]["hooks_bf16-fp32"][name]["relative"], rel=0.05)
+    mv, sv = _load(tmp_path / "v")
+    mh, sh = _load(tmp_path / "h")
+    assert mh["captured_by"]["engine"] == "eaglewire hooks" and mh["counts"]["samples"] == 12
+    for a, b in zip(sv, sh):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
