@@ -74,13 +74,16 @@ def compare(vllm_dir: Path, out: Path, batch_size: int, device: str) -> dict:
     writer = shards.ShardWriter(out, base, manifest["run"].get("shard_size") or 1000)
     H = int(manifest["hidden_size"])
     t0, chunk = time.time(), 256
+
+    def split(taps, final):  # (T, n*H), (T, H) -> each tap's (T, H), then the final state
+        return [taps[:, j * H:(j + 1) * H] for j in range(len(contract.taps))] + [final]
+
     for i in range(0, len(ds), chunk):
         items = [ds[k] for k in range(i, min(len(ds), i + chunk))]
         seqs = [it["input_ids"] for it in items]
         ours16 = datagen.capture_batched(t16, contract, seqs, batch_size, torch.bfloat16)
         ours32 = datagen.capture_batched(t32, contract, seqs, batch_size, torch.float32)
         for k, (it, (tp16, f16), (tp32, f32)) in enumerate(zip(items, ours16, ours32)):
-            split = lambda taps, final: [taps[:, j * H:(j + 1) * H] for j in range(len(contract.taps))] + [final]  # noqa: E731
             v, h, r = split(it["taps"], it["final_hidden"]), split(tp16, f16), split(tp32, f32)
             for j in range(len(names)):
                 stats["vllm-fp32"][j].add(v[j], r[j])

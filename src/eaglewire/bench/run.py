@@ -334,14 +334,20 @@ def greedy_check(target, prompts: list[torch.Tensor], runs: dict[str, list[Gener
 # --- the whole run --------------------------------------------------------------------------------
 
 
-def check_context(prompts: list[torch.Tensor], cfg: BenchConfig, target, suite_name: str) -> None:
-    """Every prompt + max_new_tokens must fit the target's positions (the decoder's rule), checked up front."""
+def overflowing(prompts: list[torch.Tensor], cfg: BenchConfig, target) -> tuple[int | None, list[int]]:
+    """(the target's positions, the prompts that with max_new_tokens do not fit them: the decoder's rule)."""
     limit = getattr(target.config, "max_position_embeddings", None)
-    for i, p in enumerate(prompts):
-        if limit and p.shape[1] + cfg.max_new_tokens > limit:
-            raise UsageError(f"--max-new-tokens {cfg.max_new_tokens}: prompt {i} of {suite_name} has {p.shape[1]} "
-                             f"tokens, together more than the target's context of {limit} (max_position_embeddings); "
-                             "lower --max-new-tokens or --max-prompts")
+    return limit, [i for i, p in enumerate(prompts) if limit and p.shape[1] + cfg.max_new_tokens > limit]
+
+
+def check_context(prompts: list[torch.Tensor], cfg: BenchConfig, target, suite_name: str) -> None:
+    """Every prompt + max_new_tokens must fit the target's positions, checked up front."""
+    limit, over = overflowing(prompts, cfg, target)
+    if over:
+        i = over[0]
+        raise UsageError(f"--max-new-tokens {cfg.max_new_tokens}: prompt {i} of {suite_name} has {prompts[i].shape[1]} "
+                         f"tokens, together more than the target's context of {limit} (max_position_embeddings); "
+                         "lower --max-new-tokens or --max-prompts")
 
 
 def _load(target, draft, device: torch.device, dtype: torch.dtype):
@@ -375,20 +381,18 @@ def prepare(target, draft, cfg: BenchConfig) -> tuple:
 def fitting(sp, prompts: list[torch.Tensor], cfg: BenchConfig, target) -> tuple:
     """A named suite without the prompts that, with --max-new-tokens, overflow the target's context (Arena-Hard
     holds prompts of 11k tokens), then cut to --max-prompts evenly spaced; the cuts noted."""
-    limit = getattr(target.config, "max_position_embeddings", None)
-    keep = [i for i, p in enumerate(prompts) if not limit or p.shape[1] + cfg.max_new_tokens <= limit]
-    if not keep:
+    limit, over = overflowing(prompts, cfg, target)
+    if len(over) == len(prompts):
         raise UsageError(f"--suite {cfg.suite}: no prompt fits the target's context of {limit} tokens with "
                          f"--max-new-tokens {cfg.max_new_tokens}")
-    if len(keep) < len(prompts):
-        sp = suites.subset(sp, keep, f"{len(prompts) - len(keep)} prompts longer than the target's context of "
-                           f"{limit} tokens (with --max-new-tokens {cfg.max_new_tokens}) left out")
+    if over:
+        dropped = set(over)
+        keep = [i for i in range(len(prompts)) if i not in dropped]
+        sp = suites.subset(sp, keep, f"{len(over)} prompts longer than the target's context of {limit} tokens (with "
+                           f"--max-new-tokens {cfg.max_new_tokens}) left out")
         prompts = [prompts[k] for k in keep]
-    if cfg.max_prompts is not None and cfg.max_prompts < len(prompts):
-        pick = suites.evenly_spaced(len(prompts), cfg.max_prompts)
-        sp = suites.subset(sp, pick, f"{cfg.max_prompts} of the suite's prompts, evenly spaced over the file")
-        prompts = [prompts[k] for k in pick]
-    return sp, prompts
+    sp, pick = suites.spaced(sp, cfg.max_prompts)
+    return sp, [prompts[k] for k in pick]
 
 
 def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, **settings) -> dict:

@@ -200,17 +200,19 @@ def _load_file(path: Path, limit: int | None) -> SuitePrompts:
                         notes=notes)
 
 
-def evenly_spaced(n: int, limit: int) -> list[int]:
-    """`limit` of n indices, the midpoints of equal intervals (all n when limit >= n)."""
-    if limit >= n:
-        return list(range(n))
-    return [(2 * i + 1) * n // (2 * limit) for i in range(limit)]
-
-
 def subset(sp: SuitePrompts, keep: list[int], note: str) -> SuitePrompts:
     """The suite cut to the conversations at `keep`, the cut noted."""
     return dataclasses.replace(sp, conversations=[sp.conversations[k] for k in keep], notes=list(sp.notes) + [note],
                                groups=None if sp.groups is None else [sp.groups[k] for k in keep])
+
+
+def spaced(sp: SuitePrompts, limit: int | None) -> tuple[SuitePrompts, list[int]]:
+    """The suite cut to `limit` prompts evenly spaced over it (whole when it has no more), and the indices kept."""
+    n = len(sp.conversations)
+    if limit is None or limit >= n:
+        return sp, list(range(n))
+    pick = [(2 * i + 1) * n // (2 * limit) for i in range(limit)]  # the midpoints of `limit` equal intervals
+    return subset(sp, pick, f"{limit} of the suite's prompts, evenly spaced over the file"), pick
 
 
 def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
@@ -231,14 +233,11 @@ def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
     s = SUITES[spec]
     path = suite_file(spec)
     records = _read_jsonl(path, spec)
-    notes = [s.note]
-    if limit is not None and limit < len(records):
-        records = [records[k] for k in evenly_spaced(len(records), limit)]
-        notes.append(f"{limit} of the suite's prompts, evenly spaced over the file")
     convs = [s.to_messages(r) for r in records]
     groups = [str(r.get(s.group_field, "?")) for r in records] if s.group_field else None
-    return SuitePrompts(name=spec, source=s.package, path=path, sha256=file_digest(path), conversations=convs,
-                        notes=notes, groups=groups)
+    sp = SuitePrompts(name=spec, source=s.package, path=path, sha256=file_digest(path), conversations=convs,
+                      notes=[s.note], groups=groups)
+    return spaced(sp, limit)[0]
 
 
 # ---- keeping the suites out of training data --------------------------------------------------------
