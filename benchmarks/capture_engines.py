@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from eaglewire import targets
+from eaglewire import cli_args, targets
 from eaglewire.data import datagen, shards
 from eaglewire.data.suites import load_suite
 from eaglewire.taps import TapContract
@@ -112,11 +112,12 @@ def render_compare(r: dict) -> str:
 
 
 def serve(target: str, drafts: list[tuple[str, str]], suite: str, max_prompts: int, max_new_tokens: int,
-          chain: int) -> dict:
+          chain: int, gpu_memory_utilization: float | None = None) -> dict:
     from eaglewire.engines import serve_check
     from eaglewire.engines import vllm as engine
 
     convs = load_suite(suite, max_prompts).conversations
+    share = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     rows = {}
     with tempfile.TemporaryDirectory(prefix="capture-engines-") as tmp:
         for name, d in drafts:
@@ -124,7 +125,7 @@ def serve(target: str, drafts: list[tuple[str, str]], suite: str, max_prompts: i
             print(f"serve: {name} ({p.how}), taps {list(p.taps)}", file=sys.stderr, flush=True)
             r = engine.run_job(engine.Job(target=str(targets.resolve(target)), draft=str(p.engine_dir),
                                           conversations=convs, max_new_tokens=max_new_tokens,
-                                          num_speculative_tokens=chain, enforce_eager=True))
+                                          num_speculative_tokens=chain, enforce_eager=True, **share))
             rows[name] = {"draft": d, "aux_layers": r["aux_layers"],
                           **serve_check.counts(serve_check.engine_rows(r), chain)}
     return {"target": target, "suite": suite, "prompts": len(convs), "max_new_tokens": max_new_tokens,
@@ -158,6 +159,7 @@ def main(argv=None) -> int:
     s.add_argument("--max-new-tokens", type=int, default=256)
     s.add_argument("--chain", type=int, default=7)
     s.add_argument("--json", metavar="OUT")
+    cli_args.add_gpu_memory(s, help="the share of the GPU's memory vLLM takes")
     a = p.parse_args(argv)
     if a.cmd == "compare":
         r = compare(a.vllm_data, a.out, a.batch_size, a.device)
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
         drafts = [tuple(x.split("=", 1)) for x in a.draft]
         if any(len(d) != 2 for d in drafts):
             p.error("--draft NAME=DIR")
-        r = serve(a.target, drafts, a.suite, a.max_prompts, a.max_new_tokens, a.chain)
+        r = serve(a.target, drafts, a.suite, a.max_prompts, a.max_new_tokens, a.chain, a.gpu_memory_utilization)
         print(render_serve(r))
     r["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if a.json:

@@ -121,6 +121,12 @@ def test_a_faithful_engine_agrees_and_its_greedy_tokens_are_the_targets(world, m
     assert "within the tolerance of 5%" in sc.render(r)
 
 
+def test_the_gpu_memory_share_reaches_every_served_job(world, monkeypatch):
+    fake = FakeVllm(world)
+    _check(world, monkeypatch, fake, with_wirings=True, gpu_memory_utilization=0.3)
+    assert len(fake.jobs) == 5 and {j.gpu_memory_utilization for j in fake.jobs} == {0.3}
+
+
 def test_an_engine_that_accepts_less_fails_the_check(world, monkeypatch, tmp_path):
     r = _check(world, monkeypatch, FakeVllm(world, lose=1))
     assert not r["ok"] and not r["agreement"]["agree"] and r["agreement"]["relative"] > 0.05

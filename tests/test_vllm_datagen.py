@@ -5,6 +5,7 @@ What is checked is everything around it: the id translation, the split into taps
 with the target's own norm (engines/host.py: no weights loaded), the shards and the manifest, which must come
 out as datagen's hook capture writes them."""
 
+import contextlib
 import json
 
 import pytest
@@ -134,6 +135,39 @@ def test_regen_with_max_samples_asks_replies_only_for_the_room(world, tmp_path, 
                          gen=datagen.GenConfig(max_new_tokens=4))
     # 2 samples + 10% + 8 spare for prompts skipped after their reply; not all 12 conversations
     assert len(fake.jobs[0].conversations) == 10 and m["counts"]["samples"] == 2
+
+
+def test_the_gpu_memory_share_reaches_both_of_vllms_jobs(world, tmp_path, monkeypatch):
+    """--gpu-memory-utilization is vLLM's own knob (EngineArgs.gpu_memory_utilization), passed as it is: a capture
+    sharing the GPU with a training must not take the 0.8 its jobs take by default."""
+    d, target = world
+    fake = FakeVllm(target)
+    monkeypatch.setattr(engine, "run_job", fake)
+    monkeypatch.setattr(engine, "require", lambda: None)
+    run_vllm_datagen(str(d / "target"), d / "convs.jsonl", tmp_path / "v", CONTRACT, regen=True, max_samples=3,
+                     max_len=256, shard_size=4, progress=False, gen=datagen.GenConfig(max_new_tokens=4),
+                     gpu_memory_utilization=0.25)
+    assert [(type(j).__name__, j.gpu_memory_utilization) for j in fake.jobs] == [("RegenJob", 0.25),
+                                                                                 ("CaptureJob", 0.25)]
+    fake.jobs.clear()
+    run_vllm_datagen(str(d / "target"), d / "convs.jsonl", tmp_path / "w", CONTRACT, max_samples=2, max_len=256,
+                     shard_size=4, progress=False)
+    assert fake.jobs[0].gpu_memory_utilization == engine.CaptureJob.__dataclass_fields__[
+        "gpu_memory_utilization"].default
+
+
+@pytest.mark.parametrize("extra, says", [(["--engine", "vllm", "--gpu-memory-utilization", "1.5"], "in (0, 1]"),
+                                         (["--gpu-memory-utilization", "0.3"], "runs with --engine vllm")])
+def test_a_gpu_memory_share_out_of_range_or_without_vllm_is_refused(world, capsys, extra, says):
+    from eaglewire.cli import main
+
+    d, _ = world
+    with pytest.raises(SystemExit) if "1.5" in extra else contextlib.nullcontext():
+        code = main(["datagen", "--target", str(d / "target"), "--prompts", str(d / "convs.jsonl"), "--out",
+                     str(d / "never-share"), *extra])
+        assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and not (d / "never-share").exists()
 
 
 def test_without_vllm_datagen_names_the_extra(world, capsys):

@@ -6,6 +6,8 @@ doctor's --target); the defaults below are what most commands say.
 
 from __future__ import annotations
 
+import argparse
+
 from . import targets
 
 TARGET_HELP = f"registry name ({', '.join(targets.REGISTRY)}), HF model directory or .gguf file"
@@ -54,3 +56,18 @@ def add_sampling(p, *, top_k: bool = True, top_p_help: str | None = None, top_k_
     p.add_argument("--top-p", type=float, default=1.0, help=top_p_help)
     if top_k:
         p.add_argument("--top-k", type=int, default=0, help=top_k_help)
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = -1.0
+    if not 0.0 < f <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text}: give the share of the GPU's memory vLLM may take, in (0, 1]")
+    return f
+
+
+def add_gpu_memory(p, *, help: str) -> None:
+    """--gpu-memory-utilization, vLLM's own flag and meaning; None: the job's default (engines/vllm.py)."""
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="F", help=help)

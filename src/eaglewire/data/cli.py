@@ -23,10 +23,12 @@ def cmd_datagen(args) -> int:
         from ..engines.vllm_datagen import run_vllm_datagen
 
         m = run_vllm_datagen(args.target, paths, args.out, contract, tensor_parallel_size=args.tensor_parallel_size,
-                             **options)
+                             gpu_memory_utilization=args.gpu_memory_utilization, **options)
     else:
         if args.tensor_parallel_size != 1:
             raise UsageError("--tensor-parallel-size runs with --engine vllm (the hooks capture runs one device)")
+        if args.gpu_memory_utilization is not None:
+            raise UsageError("--gpu-memory-utilization runs with --engine vllm (the hooks capture takes what it uses)")
         dtype = None if args.target_dtype == "auto" else targets.DTYPES[args.target_dtype]  # None: load_target's default
         target = targets.load_target(args.target, dtype=dtype, device=args.device)
         m = run_datagen(target, paths, args.out, contract, **options)
@@ -81,6 +83,8 @@ def register(sub) -> None:
                         "or the real vLLM (its extract_hidden_states method; pip install 'eaglewire[vllm]'), for "
                         "targets past one GPU")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs vLLM spreads the target over")
+    cli_args.add_gpu_memory(p, help="with --engine vllm: the share of each GPU's memory vLLM takes (default 0.8; "
+                            "lower it to share the GPU with other work)")
     g = p.add_argument_group("regeneration (--regen)")
     g.add_argument("--max-new-tokens", type=int, default=512, help="per reply (default 512)")
     cli_args.add_sampling(g, top_k=False)

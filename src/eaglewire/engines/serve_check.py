@@ -195,7 +195,7 @@ def engine_rows(result: dict) -> list[dict]:
 
 def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "mt-bench", max_prompts=20,
                 max_new_tokens: int = 256, chain: int = 7, with_wirings: bool = False, device=None,
-                log=None, work=None) -> dict:
+                gpu_memory_utilization: float | None = None, log=None, work=None) -> dict:
     """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0)."""
     if engine_name != "vllm":
         raise UsageError(f"--engine {engine_name}: serve-check runs vllm (SGLang is not staged here)")
@@ -214,6 +214,8 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         convs = mine["conversations"]
         job = dict(target=str(path), conversations=convs, max_new_tokens=max_new_tokens,
                    num_speculative_tokens=chain)
+        if gpu_memory_utilization is not None:
+            job["gpu_memory_utilization"] = gpu_memory_utilization
         log("eaglewire serve-check: vLLM without the draft")
         plain = engine.run_job(engine.Job(draft=None, logprobs=2, **job))
         log("eaglewire serve-check: vLLM with the draft")
@@ -327,7 +329,7 @@ def plot(r: dict, out) -> Path:
 def cmd_serve_check(args) -> int:
     r = serve_check(args.draft, args.target, engine_name=args.engine, suite=args.suite, max_prompts=args.max_prompts,
                     max_new_tokens=args.max_new_tokens, chain=args.chain, with_wirings=args.wirings,
-                    device=args.device)
+                    device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)
     print(render(r))
     if args.json:
         write_json(args.json, r)
@@ -350,6 +352,7 @@ def register(sub) -> None:
                    help="serve again with every id -1, every id +1, and id 0 in place of the first (the embedding on "
                         "paper; vLLM feeds the last layer's output there)")
     cli_args.add_device(p, help="where eaglewire's decoder runs (default: cuda if available)")
+    cli_args.add_gpu_memory(p, help="the share of the GPU's memory vLLM takes (default 0.5)")
     p.add_argument("--json", default=None, metavar="OUT")
     p.add_argument("--plot", default=None, metavar="OUT.png")
     p.set_defaults(func=cmd_serve_check)

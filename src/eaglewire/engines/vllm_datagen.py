@@ -46,13 +46,15 @@ def split(hidden: torch.Tensor, ids: list[int], contract: TapContract, norm) -> 
 
 def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, *, regen: bool = False,
                      max_samples: int | None = None, max_len: int = 2048, gen: datagen.GenConfig | None = None,
-                     tensor_parallel_size: int = 1, progress: bool = True, **options) -> dict:
+                     tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
+                     progress: bool = True, **options) -> dict:
     """datagen.run_datagen with vLLM doing the target's work; returns the manifest."""
     say = (lambda m: print(f"eaglewire datagen: {m}", file=sys.stderr, flush=True)) if progress else (lambda m: None)
     gen = gen or datagen.GenConfig()
     cfg = datagen.DatagenConfig(regen=regen, max_samples=max_samples, max_len=max_len, gen=gen, **options)
     if tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    share = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     ids = vllm_ids(contract)  # refuses taps vLLM cannot hand over before vLLM is needed
     engine.require()
     t = host_target(target)
@@ -74,7 +76,7 @@ def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, 
         say(f"vLLM writes the replies to {len(convs)} conversations")
         job = engine.RegenJob(target=path, conversations=convs, max_new_tokens=gen.max_new_tokens,
                               temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, max_len=max_len,
-                              tensor_parallel_size=tensor_parallel_size)
+                              tensor_parallel_size=tensor_parallel_size, **share)
         convs = [c if any(m["role"] == "assistant" for m in c) else prompts.Skip("prompt longer than --max-len")
                  for c in engine.run_job(job)["conversations"]]
     encoded = datagen.encode_chunk(t.tokenizer, convs, cfg)
@@ -93,7 +95,7 @@ def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, 
             say(f"vLLM captures ids {ids} of {sum(map(len, chunks))} sequences")
             files = engine.run_job(engine.CaptureJob(target=path, chunks=chunks, layer_ids=ids, out_dir=work,
                                                      max_model_len=max_len + 1,
-                                                     tensor_parallel_size=tensor_parallel_size))["files"]
+                                                     tensor_parallel_size=tensor_parallel_size, **share))["files"]
         for (a, b), name in zip(ranges, files):
             got = load_file(str(Path(work) / name)) if name else None
             k, truncated = 0, 0
