@@ -267,6 +267,22 @@ def test_acceptance_rates_by_position():
     assert a["rate_by_position"] == [0.8, 0.4, 0.2]
     assert a["conditional_rate_by_position"] == [0.8, 0.5, 0.5]
     assert a["acceptance_length"] == 12 / 5 and a["accepted_histogram"] == [1, 2, 1, 1]
+    # two prompts at 9/4 and 3/1: resampling prompts gives 2.25 (the first twice), 2.4 or 3 (the second twice)
+    lo, hi = a["acceptance_length_interval"]
+    assert lo == pytest.approx(9 / 4) and hi == pytest.approx(3.0)
+    assert acceptance(gens[:1], 3)["acceptance_length_interval"] is None  # one prompt: no spread to measure
+
+
+def test_the_acceptance_interval_is_the_bootstrap_over_prompts():
+    """A reply that loops is accepted at every position: positions within a prompt are not independent, so the
+    interval comes from resampling prompts (stats.py). Ten prompts alike give no spread; one outlier widens it."""
+    same = [Generation(tokens=[0] * 10, wall_s=1.0, steps=4, accepted=[1, 2, 1, 2]) for _ in range(10)]
+    lo, hi = acceptance(same, 3)["acceptance_length_interval"]
+    assert lo == pytest.approx(2.5) and hi == pytest.approx(2.5)
+    loop = same[:9] + [Generation(tokens=[0] * 40, wall_s=1.0, steps=5, accepted=[7] * 5)]
+    a = acceptance(loop, 7)
+    lo, hi = a["acceptance_length_interval"]
+    assert lo < a["acceptance_length"] < hi and hi - lo > 0.5
 
 
 def test_bad_inputs_are_one_line_errors(shift, random_pair, prompt_file, tmp_path, capsys):

@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parent.parent / "src" / "eaglewire"
 
 # Layer of each top-level module or package of eaglewire, lowest first. Copied in docs/ARCHITECTURE.md.
 LAYERS = {
-    **dict.fromkeys(["errors", "files", "registry", "taps", "parallel"], 0),  # foundations
+    **dict.fromkeys(["errors", "files", "registry", "taps", "parallel", "stats"], 0),  # foundations
     **dict.fromkeys(["targets", "capture", "chat", "prompts", "vocab", "draft_config", "draft", "checkpoint",
                      "cli_args"], 1),  # the core: the target, the draft, the artefacts
     "decode": 2,

@@ -101,7 +101,9 @@ def format_table(r: dict) -> str:
     lines.append(f"target step floor: {fl['ms']:.3f} ms ({mb} at {fl['bandwidth'] / 1e12:.1f} TB/s)" if fl["ms"] else
                  f"target step floor: no bandwidth known for {m['device_name']} ({mb}; pass --bandwidth)")
     acc = r["acceptance"]
-    lines.append(f"acceptance length {or_dash(acc['acceptance_length'], '.3f')} tokens/step (bonus included), "
+    ci = acc.get("acceptance_length_interval")
+    spread = f"; 95% interval {ci[0]:.2f}-{ci[1]:.2f} over the prompts" if ci else ""
+    lines.append(f"acceptance length {or_dash(acc['acceptance_length'], '.3f')} tokens/step (bonus included{spread}), "
                  f"{acc['verification_steps']} steps")
     lines.append("acceptance by position: " + "  ".join(f"{i}:{v:.2f}" for i, v in
                                                          enumerate(acc["rate_by_position"], 1)))

@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from .. import targets
+from .. import stats, targets
 from ..data import suites
 from ..decode.acceptance import SamplingParams
 from ..decode.decoder import fill_shape
@@ -282,8 +282,10 @@ def acceptance(gens: list[Generation], positions: int) -> dict:
     tokens = sum(len(g.tokens) for g in gens)
     n = max([positions, *acc])
     reached = [sum(a >= i for a in acc) for i in range(n + 1)]  # reached[0] = verification steps
+    interval = stats.ratio_interval([len(g.tokens) for g in gens], [g.steps for g in gens])
     return {
         "acceptance_length": tokens / steps if steps else None,
+        "acceptance_length_interval": list(interval) if interval else None,  # 95%, bootstrap over prompts
         "mean_accepted_plus_bonus": (sum(acc) + len(acc)) / len(acc) if acc else None,
         "verification_steps": steps,
         "rate_by_position": [reached[i] / reached[0] if reached[0] else 0.0 for i in range(1, n + 1)],

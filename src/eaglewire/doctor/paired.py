@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..stats import RESAMPLES, SEED, prompt_weights
+
 LEVEL = 0.95  # family-wise confidence of all intervals together
-RESAMPLES = 10000
-SEED = 0  # the same prompts give the same report
 COSTLY = 0.03  # a wiring costing at least this share of acceptance length is an error, less a warning
 
 
@@ -83,10 +83,7 @@ def compare(base: PerPrompt, others: list[PerPrompt], *, level: float = LEVEL, r
     if not others:
         return []
     P = base.tokens.numel()
-    g = torch.Generator().manual_seed(seed)
-    draws = torch.randint(0, P, (resamples, P), generator=g)
-    weights = torch.zeros(resamples, P, dtype=torch.float64).scatter_add_(
-        1, draws, torch.ones(resamples, P, dtype=torch.float64))  # (B, P): how often each prompt was drawn
+    weights = prompt_weights(P, resamples, seed)  # (B, P): how often each prompt was drawn
     tail = (1 - level) / (2 * len(others))
 
     def stats(x: PerPrompt) -> tuple[torch.Tensor, torch.Tensor, float, float]:
