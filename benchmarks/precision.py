@@ -1,0 +1,123 @@
+"""Where bf16 loses acceptance: the draft's greedy chain replayed on one fixed text, each part in fp32 or bf16.
+
+`bench --dtype bf16` against `--dtype fp32` compares two different texts: wherever the bf16 target's argmax
+flips at a near-tie, the two decoders write different continuations from there on, and acceptance on one
+text says little about acceptance on the other (a reply that falls into a loop is accepted at 5 tokens a
+round). Here the text is fixed: the fp32 target's greedy continuation of each prompt. Every configuration is
+replayed on those same tokens with the doctor's chain (doctor/chain.py: a round at every position, walked as
+the decoder walks it), so the differences are the precision's alone, paired by prompt with a bootstrap
+interval (doctor/paired.py). What each row changes against the fp32 reference:
+
+    draft weights bf16-rounded   the saved weights rounded to bf16, fp32 arithmetic (what a bf16 copy holds)
+    draft in bf16                the draft's arithmetic in bf16 (norms, attention, fc, lm_head)
+    taps from bf16 target        the taps the bf16 target computes, the fp32 target's argmax as the verdict
+    bf16 target                  the bf16 target's taps and its own argmax (what a bf16 decoder verifies)
+    all bf16                     target and draft in bf16: what `bench --dtype bf16` runs, on the fixed text
+
+    python benchmarks/precision.py --draft CKPT [--target T] [--suite mt-bench] [--max-prompts 20]
+        [--new-tokens 256] [--chain 7] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eaglewire import checkpoint, targets
+from eaglewire.doctor import paired, probe
+from eaglewire.doctor.probe_inputs import capture_states, chosen
+
+
+def rounded(draft):
+    """The draft with its weights rounded to bf16 and kept in fp32."""
+    import copy
+
+    d = copy.deepcopy(draft)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return d
+
+
+def flips(states32: list[dict], states16: list[dict], seqs) -> dict:
+    """Continuation positions where the bf16 target's argmax is not the fp32 target's."""
+    n = k = 0
+    for a, b, (_, mask) in zip(states32, states16, seqs):
+        m = mask.clone()
+        m[:-1] = mask[1:] & mask[:-1]  # the position predicts a continuation token
+        m[-1] = False
+        n += int(m.sum())
+        k += int((a["top"] != b["top"])[m].sum())
+    return {"positions": n, "flipped": k, "share": k / n if n else None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--draft", required=True)
+    p.add_argument("--target", default=targets.DEFAULT_TARGET)
+    p.add_argument("--suite", default="mt-bench")
+    p.add_argument("--max-prompts", type=int, default=20)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--chain", type=int, default=7)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", metavar="OUT")
+    a = p.parse_args(argv)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+
+    t32 = targets.load_target(a.target, dtype=torch.float32, device=a.device)
+    seqs = chosen(t32, a.max_prompts, suite=a.suite, new_tokens=a.new_tokens)
+    say(f"precision: {len(seqs.seqs)} fp32 greedy continuations of {seqs.source} ({time.perf_counter() - t0:.0f} s)")
+    s32 = [capture_states(t32.model, ids) for ids, _ in seqs.seqs]
+    t32 = None
+    t16 = targets.load_target(a.target, dtype=torch.bfloat16, device=a.device)
+    s16 = [capture_states(t16.model, ids) for ids, _ in seqs.seqs]
+    t16 = None
+    say(f"precision: taps captured in fp32 and bf16 ({time.perf_counter() - t0:.0f} s)")
+
+    d32, meta = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.float32)
+    d16, _ = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.bfloat16)
+    wiring = probe.Wiring(tuple(meta.contract.taps), "the draft's taps")
+    mixed = [{**x, "top": y["top"]} for x, y in zip(s16, s32)]  # bf16 taps, the fp32 verdict
+    rows = [("fp32 reference", d32, s32), ("draft weights bf16-rounded", rounded(d32), s32),
+            ("draft in bf16", d16, s32), ("taps from bf16 target", d32, mixed), ("bf16 target", d32, s16),
+            ("all bf16", d16, s16)]
+    out, per = [], []
+    for name, draft, states in rows:
+        summary, pp = probe.measure(draft, [s for s in seqs.seqs], states, wiring, a.chain)
+        out.append({"config": name, **{k: summary[k] for k in ("acceptance_length", "acc1", "accepted_per_pos")}})
+        per.append(pp)
+        say(f"precision: {name} {summary['acceptance_length']:.3f} ({time.perf_counter() - t0:.0f} s)")
+    for row, d in zip(out[1:], paired.compare(per[0], per[1:])):
+        row["vs_fp32"] = d.to_dict()
+    r = {"target": a.target, "draft": a.draft, "suite": seqs.source, "prompts": len(seqs.seqs),
+         "new_tokens": a.new_tokens, "chain": a.chain, "device": a.device,
+         "argmax_flips": flips(s32, s16, seqs.seqs), "rows": out, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    print(render(r))
+    if a.json:
+        Path(a.json).write_text(json.dumps(r, indent=2) + "\n")
+    return 0
+
+
+def render(r: dict) -> str:
+    f = r["argmax_flips"]
+    lines = [f"{r['target']}: the draft's chain of {r['chain']} replayed on the fp32 target's greedy text "
+             f"({r['prompts']} prompts of {r['suite']}, {r['new_tokens']} tokens each, on {r['device']})",
+             f"{'configuration':<30}{'accept-len':>11}{'acc@1':>8}{'vs fp32':>9}  paired 95% interval",]
+    for row in r["rows"]:
+        d = row.get("vs_fp32")
+        diff = f"{d['acceptance_length']:>+9.3f}  [{d['acceptance_length_ci'][0]:+.3f}, " \
+               f"{d['acceptance_length_ci'][1]:+.3f}]" if d else f"{'':>9}"
+        lines.append(f"{row['config']:<30}{row['acceptance_length']:>11.3f}{row['acc1']:>8.3f}{diff}")
+    lines.append(f"the bf16 target's argmax differs from the fp32 target's at {f['flipped']} of {f['positions']} "
+                 f"positions of the text")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
