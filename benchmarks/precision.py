@@ -13,6 +13,8 @@ interval (doctor/paired.py). What each row changes against the fp32 reference:
     taps from bf16 target        the taps the bf16 target computes, the fp32 target's argmax as the verdict
     bf16 target                  the bf16 target's taps and its own argmax (what a bf16 decoder verifies)
     all bf16                     target and draft in bf16: what `bench --dtype bf16` runs, on the fixed text
+    all bf16, the speed-ups      the same through the decoder's fused projections and grouped attention
+                                 (decode/speedups.py; compile and CUDA graphs replay the same arithmetic)
 
     python benchmarks/precision.py --draft CKPT [--target T] [--suite mt-bench] [--max-prompts 20]
         [--new-tokens 256] [--chain 7] [--json OUT]
@@ -30,6 +32,7 @@ import torch
 
 from eaglewire import checkpoint, targets
 from eaglewire.doctor import paired, probe
+from eaglewire.decode import speedups
 from eaglewire.doctor.probe_inputs import capture_states, chosen
 
 
@@ -77,16 +80,19 @@ def main(argv=None) -> int:
     t32 = None
     t16 = targets.load_target(a.target, dtype=torch.bfloat16, device=a.device)
     s16 = [capture_states(t16.model, ids) for ids, _ in seqs.seqs]
-    t16 = None
+    d16, meta = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.bfloat16)
+    fast = speedups.Speedups(fuse_projections=True, grouped_attention=True, prepack=False)
+    model16, fast16, _ = speedups.apply(t16.model, d16, fast)
+    sfast = [capture_states(model16, ids) for ids, _ in seqs.seqs]
+    t16 = model16 = None
     say(f"precision: taps captured in fp32 and bf16 ({time.perf_counter() - t0:.0f} s)")
 
-    d32, meta = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.float32)
-    d16, _ = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.bfloat16)
+    d32, _ = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.float32)
     wiring = probe.Wiring(tuple(meta.contract.taps), "the draft's taps")
     mixed = [{**x, "top": y["top"]} for x, y in zip(s16, s32)]  # bf16 taps, the fp32 verdict
     rows = [("fp32 reference", d32, s32), ("draft weights bf16-rounded", rounded(d32), s32),
             ("draft in bf16", d16, s32), ("taps from bf16 target", d32, mixed), ("bf16 target", d32, s16),
-            ("all bf16", d16, s16)]
+            ("all bf16", d16, s16), ("all bf16, the speed-ups", fast16, sfast)]
     out, per = [], []
     for name, draft, states in rows:
         summary, pp = probe.measure(draft, [s for s in seqs.seqs], states, wiring, a.chain)

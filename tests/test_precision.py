@@ -47,7 +47,7 @@ def test_every_part_in_bf16_accepts_as_fp32_on_one_text(world, capsys):
     r = json.loads(out.read_text())
     rows = {x["config"]: x for x in r["rows"]}
     assert list(rows) == ["fp32 reference", "draft weights bf16-rounded", "draft in bf16", "taps from bf16 target",
-                          "bf16 target", "all bf16"]
+                          "bf16 target", "all bf16", "all bf16, the speed-ups"]
     ref = rows["fp32 reference"]["acceptance_length"]
     assert ref > 1.5  # the draft accepts: a comparison with something in it
     for name, row in rows.items():
