@@ -296,7 +296,7 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
                    "batches": batches}
     report = {"recipe": recipe.name, "target": tgt.spec, "device": torch.cuda.get_device_name() if
               tgt.device.type == "cuda" else "cpu", "mode": recipe.mode, "prompts": prompt_info,
-              "regenerated": regenerated}
+              "regenerated": regenerated, "budget_s": recipe.budget_s}
     if recipe.mode == "replies":
         return _report(report, stages, t0, dist, out)
 
@@ -345,7 +345,8 @@ def _held_out_bench(recipe: Recipe, tgt, checkpoint_dir, out: Path, progress: bo
         print(f"eaglewire recipe {recipe.name}: no held-out bench: {e}", file=sys.stderr)
         return {"suite": recipe.bench_suite, "skipped": str(e)}
     return {"suite": r["suite"]["name"], "prompts": r["suite"]["prompts"], "max_new_tokens": recipe.bench_new_tokens,
-            "acceptance_length": r["acceptance"]["acceptance_length"], "speedup": r["speedups"]["spec/base"],
+            "acceptance_length": r["acceptance"]["acceptance_length"],
+            "acceptance_length_interval": r["acceptance"]["acceptance_length_interval"], "speedup": r["speedups"]["spec/base"],
             "tokens_per_s": r["runs"]["spec"]["tokens_per_s"], "tokens_per_s_without": r["runs"]["base"]["tokens_per_s"],
             "json": "bench.json"}
 
@@ -353,18 +354,26 @@ def _held_out_bench(recipe: Recipe, tgt, checkpoint_dir, out: Path, progress: bo
 def _report(report: dict, stages: dict, t0: float, dist: Dist, out: Path) -> dict:
     """The report with the stages' times, written (rank 0) to out/report.json and summed up on stdout."""
     report.update(stages_s=stages, total_s=round(time.perf_counter() - t0, 1), world_size=dist.world)
+    budget = report.get("budget_s")
+    over = round(report["total_s"] - budget, 1) if budget is not None and report["total_s"] > budget else None
+    report["over_budget_s"] = over
     if not dist.main:
         return report
     files.write_json(out / "report.json", report)
     r = report["regenerated"]
     print(f"regenerated {r['conversations']} replies, {r['reply_tokens']} tokens at "
           f"{(r['tokens_per_s'] or 0):.0f} tok/s; stages (s): {stages}; total {report['total_s']} s")
+    if over:  # training stops in time; the held-out bench's compile can outrun its reserve on a loaded machine
+        print(f"note: the recipe ran {report['total_s']:.0f} s, {over:.0f} s past its {budget:.0f} s budget "
+              f"(stages above); give it a larger --budget-s, or --bench-suite none")
     b = report.get("bench")
     if b and "skipped" not in b:  # last: what to plan with
         # only a suite the training prompts were checked against is known to be unseen (a FILE is not checked)
         unseen = b["suite"] in report["prompts"].get("held_out", {}).get("checked", [])
         print(f"held-out bench ({b['suite']}, {b['prompts']} prompts, {b['max_new_tokens']} new tokens"
-              f"{', never trained on' if unseen else ''}): acceptance length {b['acceptance_length']:.2f}, "
+              f"{', never trained on' if unseen else ''}): acceptance length {b['acceptance_length']:.2f}"
+              + (f" (95% interval {ci[0]:.2f}-{ci[1]:.2f} over the prompts)" if (ci := b.get("acceptance_length_interval"))
+                 else "") + ", "
               f"{b['tokens_per_s']:.1f} tok/s, {b['speedup']:.2f}x eaglewire without the draft")
     return report
 
