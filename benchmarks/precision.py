@@ -14,7 +14,7 @@ interval (doctor/paired.py). What each row changes against the fp32 reference:
     bf16 target                  the bf16 target's taps and its own argmax (what a bf16 decoder verifies)
     all bf16                     target and draft in bf16: what `bench --dtype bf16` runs, on the fixed text
     all bf16, the speed-ups      the same through the decoder's fused projections and grouped attention
-                                 (decode/speedups.py; compile and CUDA graphs replay the same arithmetic)
+                                 (decode/speedups.py; compile and CUDA graphs are not replayed here)
 
     python benchmarks/precision.py --draft CKPT [--target T] [--suite mt-bench] [--max-prompts 20]
         [--new-tokens 256] [--chain 7] [--json OUT]
@@ -23,6 +23,7 @@ interval (doctor/paired.py). What each row changes against the fp32 reference:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -38,8 +39,6 @@ from eaglewire.doctor.probe_inputs import capture_states, chosen
 
 def rounded(draft):
     """The draft with its weights rounded to bf16 and kept in fp32."""
-    import copy
-
     d = copy.deepcopy(draft)
     with torch.no_grad():
         for p in d.parameters():
@@ -95,7 +94,7 @@ def main(argv=None) -> int:
             ("all bf16", d16, s16), ("all bf16, the speed-ups", fast16, sfast)]
     out, per = [], []
     for name, draft, states in rows:
-        summary, pp = probe.measure(draft, [s for s in seqs.seqs], states, wiring, a.chain)
+        summary, pp = probe.measure(draft, seqs.seqs, states, wiring, a.chain)
         out.append({"config": name, **{k: summary[k] for k in ("acceptance_length", "acc1", "accepted_per_pos")}})
         per.append(pp)
         say(f"precision: {name} {summary['acceptance_length']:.3f} ({time.perf_counter() - t0:.0f} s)")

@@ -370,10 +370,10 @@ def _report(report: dict, stages: dict, t0: float, dist: Dist, out: Path) -> dic
     if b and "skipped" not in b:  # last: what to plan with
         # only a suite the training prompts were checked against is known to be unseen (a FILE is not checked)
         unseen = b["suite"] in report["prompts"].get("held_out", {}).get("checked", [])
+        ci = b.get("acceptance_length_interval")
+        spread = f" (95% interval {ci[0]:.2f}-{ci[1]:.2f} over the prompts)" if ci else ""
         print(f"held-out bench ({b['suite']}, {b['prompts']} prompts, {b['max_new_tokens']} new tokens"
-              f"{', never trained on' if unseen else ''}): acceptance length {b['acceptance_length']:.2f}"
-              + (f" (95% interval {ci[0]:.2f}-{ci[1]:.2f} over the prompts)" if (ci := b.get("acceptance_length_interval"))
-                 else "") + ", "
+              f"{', never trained on' if unseen else ''}): acceptance length {b['acceptance_length']:.2f}{spread}, "
               f"{b['tokens_per_s']:.1f} tok/s, {b['speedup']:.2f}x eaglewire without the draft")
     return report
 
