@@ -188,7 +188,8 @@ def test_replies_mode_stops_after_regeneration(target_dir, tmp_path, capsys):
     assert list(report["stages_s"]) == ["load target", "prompts", "regenerate"]
     lines = (out / "regenerated.jsonl").read_text().splitlines()
     assert len(lines) == report["regenerated"]["conversations"] > 0
-    assert f"regenerated {len(lines)} replies" in capsys.readouterr().out
+    assert f"regenerated {report['regenerated']['replies']} replies in {len(lines)} conversations" \
+        in capsys.readouterr().out
     trained = tmp_path / "trained"
     assert cli.main([*argv, "--set", "epochs=1", "--set", "batch_tokens=1024", "--set", "max_len=256",
                      "--set", "eval_fraction=0.2", "--out", str(trained)]) == 0

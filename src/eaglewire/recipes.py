@@ -361,7 +361,7 @@ def _report(report: dict, stages: dict, t0: float, dist: Dist, out: Path) -> dic
         return report
     files.write_json(out / "report.json", report)
     r = report["regenerated"]
-    print(f"regenerated {r['conversations']} replies, {r['reply_tokens']} tokens at "
+    print(f"regenerated {r['replies']} replies in {r['conversations']} conversations, {r['reply_tokens']} tokens at "
           f"{(r['tokens_per_s'] or 0):.0f} tok/s; stages (s): {stages}; total {report['total_s']} s")
     if over:  # training stops in time; the held-out bench's compile can outrun its reserve on a loaded machine
         print(f"note: the recipe ran {report['total_s']:.0f} s, {over:.0f} s past its {budget:.0f} s budget "
