@@ -16,8 +16,14 @@ interval (doctor/paired.py). What each row changes against the fp32 reference:
     all bf16, the speed-ups      the same through the decoder's fused projections and grouped attention
                                  (decode/speedups.py; compile and CUDA graphs are not replayed here)
 
+`--text bf16` replays the same rows on the bf16 target's own greedy text instead, the text a bf16 decoder
+writes. Run with both texts, the fp32 reference on each separates what the text changes (fp32 on the bf16 text
+against fp32 on the fp32 text) from what the precision changes (the rows on one text); the JSON keeps every
+row's tokens and rounds per prompt for that paired comparison. (On the other dtype's text, the ~1% of positions
+where a target's argmax is not the text's next token are scored against that argmax, as a verify would.)
+
     python benchmarks/precision.py --draft CKPT [--target T] [--suite mt-bench] [--max-prompts 20]
-        [--new-tokens 256] [--chain 7] [--json OUT]
+        [--new-tokens 256] [--chain 7] [--text fp32|bf16] [--json OUT]
 """
 
 from __future__ import annotations
@@ -67,17 +73,20 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--chain", type=int, default=7)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--text", choices=["fp32", "bf16"], default="fp32",
+                   help="whose greedy continuation is replayed: the fp32 target's (default) or the bf16 target's")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
 
     t32 = targets.load_target(a.target, dtype=torch.float32, device=a.device)
-    seqs = chosen(t32, a.max_prompts, suite=a.suite, new_tokens=a.new_tokens)
-    say(f"precision: {len(seqs.seqs)} fp32 greedy continuations of {seqs.source} ({time.perf_counter() - t0:.0f} s)")
+    t16 = targets.load_target(a.target, dtype=torch.bfloat16, device=a.device)
+    seqs = chosen(t32 if a.text == "fp32" else t16, a.max_prompts, suite=a.suite, new_tokens=a.new_tokens)
+    say(f"precision: {len(seqs.seqs)} {a.text} greedy continuations of {seqs.source} "
+        f"({time.perf_counter() - t0:.0f} s)")
     s32 = [capture_states(t32.model, ids) for ids, _ in seqs.seqs]
     t32 = None
-    t16 = targets.load_target(a.target, dtype=torch.bfloat16, device=a.device)
     s16 = [capture_states(t16.model, ids) for ids, _ in seqs.seqs]
     d16, meta = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.bfloat16)
     fast = speedups.Speedups(fuse_projections=True, grouped_attention=True, prepack=False)
@@ -95,13 +104,14 @@ def main(argv=None) -> int:
     out, per = [], []
     for name, draft, states in rows:
         summary, pp = probe.measure(draft, seqs.seqs, states, wiring, a.chain)
-        out.append({"config": name, **{k: summary[k] for k in ("acceptance_length", "acc1", "accepted_per_pos")}})
+        out.append({"config": name, **{k: summary[k] for k in ("acceptance_length", "acc1", "accepted_per_pos")},
+                    "per_prompt": {"tokens": pp.tokens.tolist(), "rounds": pp.rounds.tolist()}})
         per.append(pp)
         say(f"precision: {name} {summary['acceptance_length']:.3f} ({time.perf_counter() - t0:.0f} s)")
     for row, d in zip(out[1:], paired.compare(per[0], per[1:])):
         row["vs_fp32"] = d.to_dict()
     r = {"target": a.target, "draft": a.draft, "suite": seqs.source, "prompts": len(seqs.seqs),
-         "new_tokens": a.new_tokens, "chain": a.chain, "device": a.device,
+         "new_tokens": a.new_tokens, "chain": a.chain, "device": a.device, "text": a.text,
          "argmax_flips": flips(s32, s16, seqs.seqs), "rows": out, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     print(render(r))
     if a.json:
@@ -111,7 +121,7 @@ def main(argv=None) -> int:
 
 def render(r: dict) -> str:
     f = r["argmax_flips"]
-    lines = [f"{r['target']}: the draft's chain of {r['chain']} replayed on the fp32 target's greedy text "
+    lines = [f"{r['target']}: the draft's chain of {r['chain']} replayed on the {r['text']} target's greedy text "
              f"({r['prompts']} prompts of {r['suite']}, {r['new_tokens']} tokens each, on {r['device']})",
              f"{'configuration':<30}{'accept-len':>11}{'acc@1':>8}{'vs fp32':>9}  paired 95% interval",]
     for row in r["rows"]:

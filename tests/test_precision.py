@@ -39,12 +39,19 @@ def world(tmp_path_factory):
     return d
 
 
-def test_every_part_in_bf16_accepts_as_fp32_on_one_text(world, capsys):
-    out = world / "p.json"
+@pytest.mark.parametrize("text", ["fp32", "bf16"])
+def test_every_part_in_bf16_accepts_as_fp32_on_one_text(world, capsys, text):
+    """On either target's own greedy text (--text bf16: the text a bf16 decoder writes)."""
+    out = world / f"p_{text}.json"
     assert precision.main(["--draft", str(world / "ck"), "--target", str(world / "target"), "--suite",
                            str(world / "suite.txt"), "--max-prompts", "5", "--new-tokens", "40", "--chain", "4",
-                           "--json", str(out)]) == 0
+                           "--text", text, "--json", str(out)]) == 0
     r = json.loads(out.read_text())
+    assert r["text"] == text
+    for row in r["rows"]:  # the per-prompt tallies a paired comparison across two runs needs
+        pp = row["per_prompt"]
+        assert len(pp["tokens"]) == len(pp["rounds"]) == 5
+        assert abs(sum(pp["tokens"]) / sum(pp["rounds"]) - row["acceptance_length"]) < 1e-9
     rows = {x["config"]: x for x in r["rows"]}
     assert list(rows) == ["fp32 reference", "draft weights bf16-rounded", "draft in bf16", "taps from bf16 target",
                           "bf16 target", "all bf16", "all bf16, the speed-ups"]
@@ -53,7 +60,8 @@ def test_every_part_in_bf16_accepts_as_fp32_on_one_text(world, capsys):
     for name, row in rows.items():
         assert abs(row["acceptance_length"] - ref) <= 0.02 * ref, (name, row["acceptance_length"], ref)
     assert r["prompts"] == 5 and r["argmax_flips"]["positions"] == 5 * 39
-    assert "paired 95% interval" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "paired 95% interval" in printed and f"on the {text} target's greedy text" in printed
 
 
 def test_rounding_is_what_a_bf16_copy_holds(world):
