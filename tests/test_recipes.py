@@ -342,3 +342,33 @@ def test_a_recipe_past_its_budget_says_so_before_the_held_out_bench(tmp_path, ca
     assert json.loads((tmp_path / "report.json").read_text())["over_budget_s"] == r["over_budget_s"]
     report.update(budget_s=None)
     assert recipes._report(report, {}, time.perf_counter() - 702, one, tmp_path)["over_budget_s"] is None
+
+
+def test_out_of_gpu_memory_is_one_line_with_the_fix(target_dir, tmp_path, monkeypatch, capsys):
+    """Two `recipe full` regenerations of ~80 GB each on one H200 (benchmarks/results run 23) raised torch's
+    traceback; the command now says what was asked and what was free, and which flag makes the batch smaller.
+    The GPU is faked at its one boundary: torch's own exception, with torch's message."""
+    msg = ("CUDA out of memory. Tried to allocate 11.39 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
+           "4.63 GiB is free. Process 1158 has 2.87 GiB memory in use. Of the allocated memory 54.37 GiB is "
+           "allocated by PyTorch.")
+
+    def full(*a, **k):
+        raise torch.OutOfMemoryError(msg)
+
+    monkeypatch.setattr(datagen, "regenerate_ranks", full)
+    rc = cli.main(["recipe", "full", "--target", str(target_dir), "--prompts", str(sharegpt(tmp_path / "sg.json")),
+                   "--device", "cpu", "--bench-suite", "none", "--no-progress", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert err[-1] == ("eaglewire recipe: error: CUDA out of memory. Tried to allocate 11.39 GiB. GPU 0 has a total "
+                       "capacity of 139.80 GiB of which 4.63 GiB is free. Another process may hold the GPU "
+                       "(nvidia-smi lists them): free it, or make the batch smaller with --gen-batch-tokens T "
+                       "(regeneration; 262144 ran beside two other jobs) or --set batch_tokens=N (training)")
+    assert not any("Traceback" in line for line in err)
+
+
+def test_other_errors_still_raise(monkeypatch):
+    """Only running out of memory is translated: a bug keeps its traceback."""
+    monkeypatch.setattr(recipes, "run_recipe", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["recipe", "demo", "--out", "unused"])

@@ -53,9 +53,39 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"eaglewire {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        print(f"eaglewire {args.command}: error: {oom_line(e, args.command)}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+# What shrinks a command's largest GPU allocation. A GPU shared with another job is the usual cause: two
+# `recipe full` regenerations of ~80 GB each do not fit one H200 (benchmarks/results run 23).
+OOM_FIXES: dict[str, str] = {
+    "recipe": "--gen-batch-tokens T (regeneration; 262144 ran beside two other jobs) or --set batch_tokens=N (training)",
+    "datagen": "--gen-batch-tokens T (regeneration), --batch-size B (capture) or --gpu-memory-utilization F (vLLM)",
+    "train": "--batch-tokens N",
+    "serve-check": "--gpu-memory-utilization F",
+}
+
+
+def out_of_memory(e: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # every command that can run out of GPU memory has imported it
+    return torch is not None and isinstance(e, torch.OutOfMemoryError)
+
+
+def oom_line(e: BaseException, command: str) -> str:
+    """torch's out-of-memory message cut to its first sentences (what was asked, what was free), and the fix."""
+    msg = " ".join(str(e).split())
+    cut = msg.find(" is free.")
+    head = msg[:cut + len(" is free.")] if cut >= 0 else msg.split(". ")[0]
+    fix = OOM_FIXES.get(command)
+    return (f"{head} Another process may hold the GPU (nvidia-smi lists them): free it, "
+            + (f"or make the batch smaller with {fix}" if fix else "or run with fewer prompts or tokens at once"))
 
 
 if __name__ == "__main__":
