@@ -329,7 +329,7 @@ def test_a_recipe_past_its_budget_says_so_before_the_held_out_bench(tmp_path, ca
     from eaglewire.parallel import Dist
 
     report = {"budget_s": 570, "prompts": {"held_out": {"checked": ["mt-bench"]}},
-              "regenerated": {"conversations": 9534, "reply_tokens": 1647597, "tokens_per_s": 19391.0},
+              "regenerated": {"conversations": 9534, "replies": 9534, "reply_tokens": 1647597, "tokens_per_s": 19391.0},
               "bench": {"suite": "mt-bench", "prompts": 10, "max_new_tokens": 256, "acceptance_length": 2.29,
                         "acceptance_length_interval": [2.05, 2.55], "tokens_per_s": 588.8, "speedup": 1.16}}
     one = Dist(rank=0, world=1, device=torch.device("cpu"), own=False)
