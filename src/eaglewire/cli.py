@@ -53,13 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"eaglewire {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as e:  # last: BrokenPipeError is an Exception too
         if not out_of_memory(e):
             raise
         print(f"eaglewire {args.command}: error: {oom_line(e, args.command)}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 
