@@ -117,7 +117,6 @@ def serve(target: str, drafts: list[tuple[str, str]], suite: str, max_prompts: i
     from eaglewire.engines import vllm as engine
 
     convs = load_suite(suite, max_prompts).conversations
-    share = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     rows = {}
     with tempfile.TemporaryDirectory(prefix="capture-engines-") as tmp:
         for name, d in drafts:
@@ -125,7 +124,8 @@ def serve(target: str, drafts: list[tuple[str, str]], suite: str, max_prompts: i
             print(f"serve: {name} ({p.how}), taps {list(p.taps)}", file=sys.stderr, flush=True)
             r = engine.run_job(engine.Job(target=str(targets.resolve(target)), draft=str(p.engine_dir),
                                           conversations=convs, max_new_tokens=max_new_tokens,
-                                          num_speculative_tokens=chain, enforce_eager=True, **share))
+                                          num_speculative_tokens=chain, enforce_eager=True,
+                                          **engine.memory_share(gpu_memory_utilization)))
             rows[name] = {"draft": d, "aux_layers": r["aux_layers"],
                           **serve_check.counts(serve_check.engine_rows(r), chain)}
     return {"target": target, "suite": suite, "prompts": len(convs), "max_new_tokens": max_new_tokens,

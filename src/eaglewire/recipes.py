@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, cli_args, files, prompts, registry, targets
+from . import checkpoint, cli_args, files, prompts, registry, stats, targets
 from .data import suites
 from .data import cli as datagen_cli
 from .data import datagen
@@ -372,7 +372,7 @@ def _report(report: dict, stages: dict, t0: float, dist: Dist, out: Path) -> dic
         # only a suite the training prompts were checked against is known to be unseen (a FILE is not checked)
         unseen = b["suite"] in report["prompts"].get("held_out", {}).get("checked", [])
         ci = b.get("acceptance_length_interval")
-        spread = f" (95% interval {ci[0]:.2f}-{ci[1]:.2f} over the prompts)" if ci else ""
+        spread = f" ({stats.interval_words(ci)})" if ci else ""
         print(f"held-out bench ({b['suite']}, {b['prompts']} prompts, {b['max_new_tokens']} new tokens"
               f"{', never trained on' if unseen else ''}): acceptance length {b['acceptance_length']:.2f}{spread}, "
               f"{b['tokens_per_s']:.1f} tok/s, {b['speedup']:.2f}x eaglewire without the draft")

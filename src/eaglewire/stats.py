@@ -36,3 +36,8 @@ def ratio_interval(num, den, level: float = 0.95, resamples: int = RESAMPLES, se
     r = ratio(prompt_weights(num.numel(), resamples, seed), num, den)
     q = torch.nanquantile(r, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
     return float(q[0]), float(q[1])
+
+
+def interval_words(ci) -> str:
+    """How bench and the recipes print an interval from ratio_interval (a list once read back from JSON)."""
+    return f"95% interval {ci[0]:.2f}-{ci[1]:.2f} over the prompts"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__, files
+from .. import __version__, files, stats
 
 BANDWIDTH = {"H200": 4.3e12}  # bytes/s a decode step can stream (GPU.md); others: pass bandwidth=
 RUNS = ("hf", "base", "spec")
@@ -102,7 +102,7 @@ def format_table(r: dict) -> str:
                  f"target step floor: no bandwidth known for {m['device_name']} ({mb}; pass --bandwidth)")
     acc = r["acceptance"]
     ci = acc.get("acceptance_length_interval")
-    spread = f"; 95% interval {ci[0]:.2f}-{ci[1]:.2f} over the prompts" if ci else ""
+    spread = f"; {stats.interval_words(ci)}" if ci else ""
     lines.append(f"acceptance length {or_dash(acc['acceptance_length'], '.3f')} tokens/step (bonus included{spread}), "
                  f"{acc['verification_steps']} steps")
     lines.append("acceptance by position: " + "  ".join(f"{i}:{v:.2f}" for i, v in

@@ -213,9 +213,7 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         mine = ours(target, p.native, suite, max_prompts, max_new_tokens, chain, device, log)
         convs = mine["conversations"]
         job = dict(target=str(path), conversations=convs, max_new_tokens=max_new_tokens,
-                   num_speculative_tokens=chain)
-        if gpu_memory_utilization is not None:
-            job["gpu_memory_utilization"] = gpu_memory_utilization
+                   num_speculative_tokens=chain, **engine.memory_share(gpu_memory_utilization))
         log("eaglewire serve-check: vLLM without the draft")
         plain = engine.run_job(engine.Job(draft=None, logprobs=2, **job))
         log("eaglewire serve-check: vLLM with the draft")

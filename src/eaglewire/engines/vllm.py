@@ -106,6 +106,11 @@ class CaptureJob:
 KINDS = {"serve": Job, "regen": RegenJob, "capture": CaptureJob}
 
 
+def memory_share(gpu_memory_utilization: float | None) -> dict:
+    """A job's gpu_memory_utilization as a keyword, or none: each job keeps its own default (above)."""
+    return {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+
+
 def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 

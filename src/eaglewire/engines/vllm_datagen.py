@@ -54,7 +54,7 @@ def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, 
     cfg = datagen.DatagenConfig(regen=regen, max_samples=max_samples, max_len=max_len, gen=gen, **options)
     if tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
-    share = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+    share = engine.memory_share(gpu_memory_utilization)
     ids = vllm_ids(contract)  # refuses taps vLLM cannot hand over before vLLM is needed
     engine.require()
     t = host_target(target)
