@@ -16,14 +16,19 @@ interval (doctor/paired.py). What each row changes against the fp32 reference:
     all bf16, the speed-ups      the same through the decoder's fused projections and grouped attention
                                  (decode/speedups.py; compile and CUDA graphs are not replayed here)
 
-`--text bf16` replays the same rows on the bf16 target's own greedy text instead, the text a bf16 decoder
-writes. Run with both texts, the fp32 reference on each separates what the text changes (fp32 on the bf16 text
-against fp32 on the fp32 text) from what the precision changes (the rows on one text); the JSON keeps every
-row's tokens and rounds per prompt for that paired comparison. (On the other dtype's text, the ~1% of positions
-where a target's argmax is not the text's next token are scored against that argmax, as a verify would.)
+`--text bf16` replays the same rows on the bf16 target's own greedy text instead (one batched generate).
+`--text decoder` replays them on the text our speculative decoder writes in bf16 with the device's defaults
+(compiled, CUDA graphs on a GPU): exactly what `bench --dtype bf16` scores, and a row more, the decoder's own
+count of what it accepted there. On that text the bf16 rows take the decoder's verdicts (the text's next token:
+what its verify chose), so "all bf16, the speed-ups" and "the decoder, as it ran" differ only where the replay
+does not reproduce the decoder. Run with two texts, the fp32 reference on each separates what the text changes
+(fp32 on one text against fp32 on the other) from what the precision changes (the rows on one text); the JSON
+keeps every row's tokens and rounds per prompt for that paired comparison. (On another dtype's text, the ~1% of
+positions where a target's argmax is not the text's next token are scored against that argmax, as a verify
+would.)
 
     python benchmarks/precision.py --draft CKPT [--target T] [--suite mt-bench] [--max-prompts 20]
-        [--new-tokens 256] [--chain 7] [--text fp32|bf16] [--json OUT]
+        [--new-tokens 256] [--chain 7] [--text fp32|bf16|decoder] [--json OUT]
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ from pathlib import Path
 import torch
 
 from eaglewire import checkpoint, targets
-from eaglewire.doctor import paired, probe
 from eaglewire.decode import speedups
+from eaglewire.decode.decoder import SpecConfig, SpecDecoder
+from eaglewire.doctor import paired, probe
 from eaglewire.doctor.probe_inputs import capture_states, chosen
 
 
@@ -64,6 +70,46 @@ def flips(states32: list[dict], states16: list[dict], seqs) -> dict:
     return {"positions": n, "flipped": k, "share": k / n if n else None}
 
 
+def decoder_writer(target, draft, meta, chain: int, rounds: list):
+    """Continuations written by our speculative decoder as `bench` runs it (greedy, a chain, compiled with CUDA
+    graphs on a GPU); each prompt's accepted-per-round goes to `rounds`."""
+    device = next(target.model.parameters()).device
+    cuda = device.type == "cuda"
+    dec = SpecDecoder(target, copy.deepcopy(draft), meta, shape=SpecConfig.for_device(device, "chain", K=chain),
+                      speedups=speedups.Speedups(compile=cuda, cuda_graphs=cuda))
+    eos = targets.eos_ids(target)
+
+    def write(prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+        out = []
+        for ids in prompt_ids:
+            res = dec.generate(torch.tensor([ids], device=device), new_tokens, eos_ids=eos)
+            rounds.append(list(res.accepted_per_step))
+            out.append(list(res.tokens))
+        return out
+
+    return write
+
+
+def as_ran(rounds: list[list[int]], chain: int) -> tuple[dict, paired.PerPrompt]:
+    """The decoder's own count, in the replay's terms (acc@1 is per round here, so it is not shown)."""
+    f = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
+    tokens, n = [sum(r) + len(r) for r in rounds], [len(r) for r in rounds]
+    total = max(sum(n), 1)
+    summary = {"acceptance_length": sum(tokens) / total, "acc1": None,
+               "accepted_per_pos": [sum(a > k for r in rounds for a in r) / total for k in range(chain)]}
+    return summary, paired.PerPrompt(f(tokens), f(n), f([sum(a > 0 for a in r) for r in rounds]), f(n))
+
+
+def with_verdicts_of(states: list[dict], seqs) -> list[dict]:
+    """The states with the text's next token as the target's verdict (what the decoder that wrote it verified)."""
+    out = []
+    for st, (ids, _) in zip(states, seqs):
+        top = st["top"].clone()
+        top[:-1] = ids[1:]
+        out.append({**st, "top": top})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", required=True)
@@ -73,8 +119,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--chain", type=int, default=7)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--text", choices=["fp32", "bf16"], default="fp32",
-                   help="whose greedy continuation is replayed: the fp32 target's (default) or the bf16 target's")
+    p.add_argument("--text", choices=["fp32", "bf16", "decoder"], default="fp32",
+                   help="whose greedy continuation is replayed: the fp32 target's (default), the bf16 target's, or "
+                        "our bf16 speculative decoder's (what `bench --dtype bf16` scores)")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -82,17 +129,22 @@ def main(argv=None) -> int:
 
     t32 = targets.load_target(a.target, dtype=torch.float32, device=a.device)
     t16 = targets.load_target(a.target, dtype=torch.bfloat16, device=a.device)
-    seqs = chosen(t32 if a.text == "fp32" else t16, a.max_prompts, suite=a.suite, new_tokens=a.new_tokens)
+    d16, meta = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.bfloat16)
+    ran: list[list[int]] = []  # --text decoder: the decoder's accepted tokens per round, prompt by prompt
+    writer = decoder_writer(t16, d16, meta, a.chain, ran) if a.text == "decoder" else None
+    seqs = chosen(t32 if a.text == "fp32" else t16, a.max_prompts, suite=a.suite, new_tokens=a.new_tokens,
+                  writer=writer)
     say(f"precision: {len(seqs.seqs)} {a.text} greedy continuations of {seqs.source} "
         f"({time.perf_counter() - t0:.0f} s)")
     s32 = [capture_states(t32.model, ids) for ids, _ in seqs.seqs]
     t32 = None
     s16 = [capture_states(t16.model, ids) for ids, _ in seqs.seqs]
-    d16, meta = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.bfloat16)
     fast = speedups.Speedups(fuse_projections=True, grouped_attention=True, prepack=False)
     model16, fast16, _ = speedups.apply(t16.model, d16, fast)
     sfast = [capture_states(model16, ids) for ids, _ in seqs.seqs]
     t16 = model16 = None
+    if a.text == "decoder":
+        s16, sfast = with_verdicts_of(s16, seqs.seqs), with_verdicts_of(sfast, seqs.seqs)
     say(f"precision: taps captured in fp32 and bf16 ({time.perf_counter() - t0:.0f} s)")
 
     d32, _ = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.float32)
@@ -108,6 +160,11 @@ def main(argv=None) -> int:
                     "per_prompt": {"tokens": pp.tokens.tolist(), "rounds": pp.rounds.tolist()}})
         per.append(pp)
         say(f"precision: {name} {summary['acceptance_length']:.3f} ({time.perf_counter() - t0:.0f} s)")
+    if ran:
+        summary, pp = as_ran(ran, a.chain)
+        out.append({"config": "the decoder, as it ran", **summary,
+                    "per_prompt": {"tokens": pp.tokens.tolist(), "rounds": pp.rounds.tolist()}})
+        per.append(pp)
     for row, d in zip(out[1:], paired.compare(per[0], per[1:])):
         row["vs_fp32"] = d.to_dict()
     r = {"target": a.target, "draft": a.draft, "suite": seqs.source, "prompts": len(seqs.seqs),
@@ -121,14 +178,16 @@ def main(argv=None) -> int:
 
 def render(r: dict) -> str:
     f = r["argmax_flips"]
-    lines = [f"{r['target']}: the draft's chain of {r['chain']} replayed on the {r['text']} target's greedy text "
+    text = "our bf16 speculative decoder's text" if r["text"] == "decoder" else f"the {r['text']} target's greedy text"
+    lines = [f"{r['target']}: the draft's chain of {r['chain']} replayed on {text} "
              f"({r['prompts']} prompts of {r['suite']}, {r['new_tokens']} tokens each, on {r['device']})",
              f"{'configuration':<30}{'accept-len':>11}{'acc@1':>8}{'vs fp32':>9}  paired 95% interval",]
     for row in r["rows"]:
         d = row.get("vs_fp32")
         diff = f"{d['acceptance_length']:>+9.3f}  [{d['acceptance_length_ci'][0]:+.3f}, " \
                f"{d['acceptance_length_ci'][1]:+.3f}]" if d else f"{'':>9}"
-        lines.append(f"{row['config']:<30}{row['acceptance_length']:>11.3f}{row['acc1']:>8.3f}{diff}")
+        acc1 = f"{row['acc1']:>8.3f}" if row["acc1"] is not None else f"{'-':>8}"
+        lines.append(f"{row['config']:<30}{row['acceptance_length']:>11.3f}{acc1}{diff}")
     lines.append(f"the bf16 target's argmax differs from the fp32 target's at {f['flipped']} of {f['positions']} "
                  f"positions of the text")
     return "\n".join(lines)

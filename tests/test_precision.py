@@ -32,7 +32,7 @@ def world(tmp_path_factory):
     char_tokenizer().save_pretrained(d / "target")
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, 128, (48,), generator=g) for _ in range(16)]
-    draft = fit(new_draft(model, TapContract(8, TAPS)), model, TapContract(8, TAPS), seqs, steps=300)
+    draft = fit(new_draft(model, TapContract(8, TAPS)), model, TapContract(8, TAPS), seqs, steps=40)  # short: rounds vary by prompt
     checkpoint.save_draft(draft, d / "ck", contract=TapContract(8, TAPS),
                           target_fingerprint=fx.as_target(model).fingerprint)
     (d / "suite.txt").write_text("say hello\nname three colours\ncount to five\nspell water\nadd two and two\n")
@@ -70,3 +70,22 @@ def test_rounding_is_what_a_bf16_copy_holds(world):
     for a, b in zip(d.parameters(), r.parameters()):
         assert b.dtype == torch.float32 and torch.equal(b, a.to(torch.bfloat16).float())
     assert any(not torch.equal(a, b) for a, b in zip(d.parameters(), r.parameters()))
+
+
+def test_on_the_decoders_own_text_the_replay_counts_what_the_decoder_accepted(world, capsys):
+    """--text decoder: the text our bf16 speculative decoder writes (what `bench --dtype bf16` scores), with the
+    decoder's own count beside the replay's. The replay walks the decoder's rounds on the decoder's verdicts, so
+    the two agree prompt by prompt wherever the replay reproduces the decoder; a gap here would be the decoder's."""
+    out = world / "p_decoder.json"
+    assert precision.main(["--draft", str(world / "ck"), "--target", str(world / "target"), "--suite",
+                           str(world / "suite.txt"), "--max-prompts", "5", "--new-tokens", "40", "--chain", "4",
+                           "--text", "decoder", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    rows = {x["config"]: x for x in r["rows"]}
+    assert list(rows)[-1] == "the decoder, as it ran" and rows["the decoder, as it ran"]["acc1"] is None
+    ran, replay = rows["the decoder, as it ran"], rows["all bf16, the speed-ups"]
+    assert ran["acceptance_length"] > 1.5
+    assert len(set(ran["per_prompt"]["rounds"])) > 1  # prompts differ: agreeing on each one means something
+    assert ran["per_prompt"] == replay["per_prompt"]
+    assert ran["accepted_per_pos"] == pytest.approx(replay["accepted_per_pos"])
+    assert "on our bf16 speculative decoder's text" in capsys.readouterr().out

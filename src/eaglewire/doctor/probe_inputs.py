@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -49,11 +50,15 @@ def distinct(convs: list[list[dict]]) -> list[list[dict]]:
     return out
 
 
+Writer = Callable[[list[list[int]], int], list[list[int]]]  # (prompts' ids, new tokens) -> each one's continuation
+
+
 def sequences(target, n: int, convs: list[list[dict]] | None = None, source: str = "built-in prompts",
-              new_tokens: int = 128, max_len: int = 1024, seed: int = 0) -> Sequences:
+              new_tokens: int = 128, max_len: int = 1024, seed: int = 0, writer: Writer | None = None) -> Sequences:
     """Up to n distinct sequences. A conversation with assistant replies is used as written, masked on the
-    replies; a bare prompt gets the target's own greedy continuation (`new_tokens`, one batched generate),
-    masked on it. A target without a tokenizer gets n seeded random sequences, masked everywhere."""
+    replies; a bare prompt gets the target's own greedy continuation (`new_tokens`, one batched generate, or
+    whatever `writer` writes), masked on it. A target without a tokenizer gets n seeded random sequences, masked
+    everywhere."""
     tok = target.tokenizer
     if tok is None:
         g = torch.Generator().manual_seed(seed)
@@ -79,10 +84,8 @@ def sequences(target, n: int, convs: list[list[dict]] | None = None, source: str
     prompt_ids = {i: _encode_prompt(tok, chosen[i])[-(max_len - new_tokens):].tolist() for i in bare}
     continued = {}
     if bare:
-        from ..data.datagen import GenConfig, generate_ids
-
-        gen = GenConfig(max_new_tokens=new_tokens, batch_size=32)
-        for i, new in zip(bare, generate_ids(target, [prompt_ids[i] for i in bare], gen)):
+        write = writer or _greedy_writer(target)
+        for i, new in zip(bare, write([prompt_ids[i] for i in bare], new_tokens)):
             ids = torch.tensor(prompt_ids[i] + new, dtype=torch.long)
             mask = torch.zeros(ids.numel(), dtype=torch.bool)
             mask[len(prompt_ids[i]):] = True
@@ -91,21 +94,29 @@ def sequences(target, n: int, convs: list[list[dict]] | None = None, source: str
     return out
 
 
-def chosen(target, n: int, prompts: str | None = None, suite: str | None = None, new_tokens: int = 128) -> Sequences:
+def _greedy_writer(target) -> Writer:
+    from ..data.datagen import GenConfig, generate_ids
+
+    return lambda prompt_ids, new_tokens: generate_ids(target, prompt_ids,
+                                                       GenConfig(max_new_tokens=new_tokens, batch_size=32))
+
+
+def chosen(target, n: int, prompts: str | None = None, suite: str | None = None, new_tokens: int = 128,
+           writer: Writer | None = None) -> Sequences:
     """The probe's sequences as the command line asks: --prompts FILE (written replies measured as they are),
     --suite NAME|FILE (its first turns, evenly spaced for a named suite as `bench` takes them), or the
-    built-in prompts; the target continues every bare prompt itself."""
+    built-in prompts; the target continues every bare prompt itself (or `writer` does)."""
     if prompts:
         from ..prompts import load_conversations
 
         convs = load_conversations(prompts, need_assistant=False).conversations
-        return sequences(target, n, convs, f"--prompts {prompts}", new_tokens)
+        return sequences(target, n, convs, f"--prompts {prompts}", new_tokens, writer=writer)
     if suite:
         from ..data.suites import SUITES, load_suite
 
         sp = load_suite(suite, n if suite in SUITES else None)  # a FILE: its first n distinct prompts, below
-        return sequences(target, n, sp.conversations, f"--suite {sp.name}", new_tokens)
-    return sequences(target, n, None, "the built-in prompts", new_tokens)
+        return sequences(target, n, sp.conversations, f"--suite {sp.name}", new_tokens, writer=writer)
+    return sequences(target, n, None, "the built-in prompts", new_tokens, writer=writer)
 
 
 def _encode_prompt(tok, messages: list[dict]) -> torch.Tensor:
