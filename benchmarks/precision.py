@@ -144,6 +144,7 @@ def main(argv=None) -> int:
     sfast = [capture_states(model16, ids) for ids, _ in seqs.seqs]
     t16 = model16 = None
     if a.text == "decoder":
+        assert len(ran) == len(seqs.seqs)  # suite prompts are all bare: the decoder wrote every one, in order
         s16, sfast = with_verdicts_of(s16, seqs.seqs), with_verdicts_of(sfast, seqs.seqs)
     say(f"precision: taps captured in fp32 and bf16 ({time.perf_counter() - t0:.0f} s)")
 
