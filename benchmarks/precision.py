@@ -19,7 +19,8 @@ interval (doctor/paired.py). What each row changes against the fp32 reference:
 `--text bf16` replays the same rows on the bf16 target's own greedy text instead (one batched generate).
 `--text decoder` replays them on the text our speculative decoder writes in bf16 with the device's defaults
 (compiled, CUDA graphs on a GPU): exactly what `bench --dtype bf16` scores, and a row more, the decoder's own
-count of what it accepted there. On that text the bf16 rows take the decoder's verdicts (the text's next token:
+count of what it accepted there (`--decoder` picks one of its paths instead: eager, the device-side rounds, or those
+compiled). On that text the bf16 rows take the decoder's verdicts (the text's next token:
 what its verify chose), so "all bf16, the speed-ups" and "the decoder, as it ran" differ only where the replay
 does not reproduce the decoder. Run with two texts, the fp32 reference on each separates what the text changes
 (fp32 on one text against fp32 on the other) from what the precision changes (the rows on one text); the JSON
@@ -28,7 +29,7 @@ positions where a target's argmax is not the text's next token are scored agains
 would.)
 
     python benchmarks/precision.py --draft CKPT [--target T] [--suite mt-bench] [--max-prompts 20]
-        [--new-tokens 256] [--chain 7] [--text fp32|bf16|decoder] [--json OUT]
+        [--new-tokens 256] [--chain 7] [--text fp32|bf16|decoder [--decoder bench|eager|rounds|compiled]] [--json OUT]
 """
 
 from __future__ import annotations
@@ -70,13 +71,23 @@ def flips(states32: list[dict], states16: list[dict], seqs) -> dict:
     return {"positions": n, "flipped": k, "share": k / n if n else None}
 
 
-def decoder_writer(target, draft, meta, chain: int, rounds: list):
-    """Continuations written by our speculative decoder as `bench` runs it (greedy, a chain, compiled with CUDA
-    graphs on a GPU); each prompt's accepted-per-round goes to `rounds`."""
+DECODERS = {  # --decoder: how the decoder that writes --text decoder runs (None: as `bench` runs it on the device)
+    "bench": None,
+    "eager": dict(compile=False, cuda_graphs=False),
+    "rounds": dict(compile=False, cuda_graphs=False, static_shapes=True),  # the device-side rounds, uncompiled
+    "compiled": dict(compile=True, cuda_graphs=False),
+}
+
+
+def decoder_writer(target, draft, meta, chain: int, rounds: list, how: str = "bench"):
+    """Continuations written by our speculative decoder (greedy, a chain); `how` (DECODERS): as `bench` runs it
+    (compiled with CUDA graphs on a GPU, eager on a CPU) or one path of it. Each prompt's accepted-per-round goes
+    to `rounds`."""
     device = next(target.model.parameters()).device
     cuda = device.type == "cuda"
+    runs = DECODERS[how] or dict(compile=cuda, cuda_graphs=cuda)
     dec = SpecDecoder(target, copy.deepcopy(draft), meta, shape=SpecConfig.for_device(device, "chain", K=chain),
-                      speedups=speedups.Speedups(compile=cuda, cuda_graphs=cuda))
+                      speedups=speedups.Speedups(**runs))
     eos = targets.eos_ids(target)
 
     def write(prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -122,6 +133,9 @@ def main(argv=None) -> int:
     p.add_argument("--text", choices=["fp32", "bf16", "decoder"], default="fp32",
                    help="whose greedy continuation is replayed: the fp32 target's (default), the bf16 target's, or "
                         "our bf16 speculative decoder's (what `bench --dtype bf16` scores)")
+    p.add_argument("--decoder", choices=list(DECODERS), default="bench",
+                   help="--text decoder: the decoder as `bench` runs it (default), or eager, its device-side rounds "
+                        "(static shapes), or those compiled")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -131,7 +145,7 @@ def main(argv=None) -> int:
     t16 = targets.load_target(a.target, dtype=torch.bfloat16, device=a.device)
     d16, meta = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.bfloat16)
     ran: list[list[int]] = []  # --text decoder: the decoder's accepted tokens per round, prompt by prompt
-    writer = decoder_writer(t16, d16, meta, a.chain, ran) if a.text == "decoder" else None
+    writer = decoder_writer(t16, d16, meta, a.chain, ran, a.decoder) if a.text == "decoder" else None
     seqs = chosen(t32 if a.text == "fp32" else t16, a.max_prompts, suite=a.suite, new_tokens=a.new_tokens,
                   writer=writer)
     say(f"precision: {len(seqs.seqs)} {a.text} greedy continuations of {seqs.source} "
@@ -170,6 +184,7 @@ def main(argv=None) -> int:
         row["vs_fp32"] = d.to_dict()
     r = {"target": a.target, "draft": a.draft, "suite": seqs.source, "prompts": len(seqs.seqs),
          "new_tokens": a.new_tokens, "chain": a.chain, "device": a.device, "text": a.text,
+         "decoder": a.decoder if a.text == "decoder" else None,
          "argmax_flips": flips(s32, s16, seqs.seqs), "rows": out, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     print(render(r))
     if a.json:

@@ -72,15 +72,18 @@ def test_rounding_is_what_a_bf16_copy_holds(world):
     assert any(not torch.equal(a, b) for a, b in zip(d.parameters(), r.parameters()))
 
 
-def test_on_the_decoders_own_text_the_replay_counts_what_the_decoder_accepted(world, capsys):
+@pytest.mark.parametrize("decoder", ["bench", "rounds"])
+def test_on_the_decoders_own_text_the_replay_counts_what_the_decoder_accepted(world, capsys, decoder):
     """--text decoder: the text our bf16 speculative decoder writes (what `bench --dtype bf16` scores), with the
     decoder's own count beside the replay's. The replay walks the decoder's rounds on the decoder's verdicts, so
-    the two agree prompt by prompt wherever the replay reproduces the decoder; a gap here would be the decoder's."""
-    out = world / "p_decoder.json"
+    the two agree prompt by prompt wherever the replay reproduces the decoder; a gap here would be the decoder's.
+    Both the host loop (bench's CPU path) and the device-side rounds (a GPU's, here on static shapes uncompiled)."""
+    out = world / f"p_decoder_{decoder}.json"
     assert precision.main(["--draft", str(world / "ck"), "--target", str(world / "target"), "--suite",
                            str(world / "suite.txt"), "--max-prompts", "5", "--new-tokens", "40", "--chain", "4",
-                           "--text", "decoder", "--json", str(out)]) == 0
+                           "--text", "decoder", "--decoder", decoder, "--json", str(out)]) == 0
     r = json.loads(out.read_text())
+    assert r["decoder"] == decoder
     rows = {x["config"]: x for x in r["rows"]}
     assert list(rows)[-1] == "the decoder, as it ran" and rows["the decoder, as it ran"]["acc1"] is None
     ran, replay = rows["the decoder, as it ran"], rows["all bf16, the speed-ups"]
