@@ -260,6 +260,20 @@ def test_greedy_check_reports_divergence(random_pair, prompt_file):
     assert not soft["mismatches"][0]["tie"]
 
 
+def test_a_report_in_bf16_says_its_acceptance_is_on_its_own_text(shift, prompt_file):
+    """Outside fp32 the speculative text may part from the plain one at a near-tie (benchmarks/results run 23: 70 of
+    80 prompts in bf16 on an H200); the report says on how many, so that two dtypes' figures are read as two texts."""
+    target, draft = shift
+    r = run_bench(target, draft, prompt_file, max_new_tokens=6, hf=False, chain=2, device="cpu", log=lambda m: None)
+    assert "parts from" not in format_table(r)  # fp32: every token the plain decoder's
+    r["settings"]["dtype"] = "bf16"
+    r["greedy_check"] = {"reference": "base", "strict": False, "compared": ["spec"], "ok": None, "mismatches": [
+        {"run": "spec", "prompt": p, "position": 3, "top2_logit_gap": 0.0, "tie": False, "ref_token": 5, "token": 6}
+        for p in (0, 2)]}
+    assert f"in bf16 the speculative text parts from the plain decoder's on 2 of {len(r['per_prompt'])} prompts" \
+        in format_table(r)
+
+
 def test_acceptance_rates_by_position():
     gens = [Generation(tokens=[0] * 9, wall_s=1.0, steps=4, accepted=[3, 1, 0, 2]),
             Generation(tokens=[0] * 3, wall_s=1.0, steps=1, accepted=[1])]

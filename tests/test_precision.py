@@ -32,7 +32,8 @@ def world(tmp_path_factory):
     char_tokenizer().save_pretrained(d / "target")
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, 128, (48,), generator=g) for _ in range(16)]
-    draft = fit(new_draft(model, TapContract(8, TAPS)), model, TapContract(8, TAPS), seqs, steps=40)  # short: rounds vary by prompt
+    # fitted briefly, so that its rounds vary by prompt
+    draft = fit(new_draft(model, TapContract(8, TAPS)), model, TapContract(8, TAPS), seqs, steps=40)
     checkpoint.save_draft(draft, d / "ck", contract=TapContract(8, TAPS),
                           target_fingerprint=fx.as_target(model).fingerprint)
     (d / "suite.txt").write_text("say hello\nname three colours\ncount to five\nspell water\nadd two and two\n")
