@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 import time
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 from eaglewire import checkpoint, targets
+from eaglewire.bench.run import BenchConfig
 from eaglewire.decode import speedups
 from eaglewire.decode.decoder import SpecConfig, SpecDecoder
 from eaglewire.doctor import paired, probe
@@ -71,23 +73,22 @@ def flips(states32: list[dict], states16: list[dict], seqs) -> dict:
     return {"positions": n, "flipped": k, "share": k / n if n else None}
 
 
-DECODERS = {  # --decoder: how the decoder that writes --text decoder runs (None: as `bench` runs it on the device)
-    "bench": None,
+DECODERS = {  # --decoder: what changes from the speed-ups `bench` gives the decoder on the device
+    "bench": {},
     "eager": dict(compile=False, cuda_graphs=False),
     "rounds": dict(compile=False, cuda_graphs=False, static_shapes=True),  # the device-side rounds, uncompiled
     "compiled": dict(compile=True, cuda_graphs=False),
 }
 
 
-def decoder_writer(target, draft, meta, chain: int, rounds: list, how: str = "bench"):
+def decoder_writer(target, draft, meta, suite: str, chain: int, rounds: list, how: str = "bench"):
     """Continuations written by our speculative decoder (greedy, a chain); `how` (DECODERS): as `bench` runs it
     (compiled with CUDA graphs on a GPU, eager on a CPU) or one path of it. Each prompt's accepted-per-round goes
     to `rounds`."""
     device = next(target.model.parameters()).device
-    cuda = device.type == "cuda"
-    runs = DECODERS[how] or dict(compile=cuda, cuda_graphs=cuda)
+    ups = dataclasses.replace(BenchConfig(suite=suite, device=device.type).speedups(device), **DECODERS[how])
     dec = SpecDecoder(target, copy.deepcopy(draft), meta, shape=SpecConfig.for_device(device, "chain", K=chain),
-                      speedups=speedups.Speedups(**runs))
+                      speedups=ups)
     eos = targets.eos_ids(target)
 
     def write(prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     t16 = targets.load_target(a.target, dtype=torch.bfloat16, device=a.device)
     d16, meta = checkpoint.load_draft(a.draft, device=a.device, dtype=torch.bfloat16)
     ran: list[list[int]] = []  # --text decoder: the decoder's accepted tokens per round, prompt by prompt
-    writer = decoder_writer(t16, d16, meta, a.chain, ran, a.decoder) if a.text == "decoder" else None
+    writer = decoder_writer(t16, d16, meta, a.suite, a.chain, ran, a.decoder) if a.text == "decoder" else None
     seqs = chosen(t32 if a.text == "fp32" else t16, a.max_prompts, suite=a.suite, new_tokens=a.new_tokens,
                   writer=writer)
     say(f"precision: {len(seqs.seqs)} {a.text} greedy continuations of {seqs.source} "

@@ -123,6 +123,13 @@ class BenchConfig:
         """Whether our decoder runs compiled forwards on this device."""
         return device.type == "cuda" if self.compile == "auto" else self.compile
 
+    def speedups(self, device: torch.device) -> Speedups:
+        """Our decoder's speed-ups for this run: True asks for the device's choice (None), False turns one off."""
+        return Speedups(cuda_graphs=self.cuda_graphs and device.type == "cuda", compile=self.compiles(device),
+                        prepack=None if self.prepack else False,
+                        fuse_projections=None if self.fuse_projections else False,
+                        grouped_attention=self.grouped_attention)
+
     def draft_shape(self) -> dict:
         if self.mode == "chain":
             return {"mode": "chain", "K": self.chain}
@@ -190,11 +197,7 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     from ..decode.decoder import SpecConfig, SpecDecoder
 
     shape = SpecConfig(mode=cfg.mode, K=cfg.chain, depth=cfg.depth, topk=cfg.topk, budget=cfg.budget)
-    # True asks for the device's choice (None), False turns a speed-up off
-    speedups = Speedups(cuda_graphs=cfg.cuda_graphs and device.type == "cuda", compile=cfg.compiles(device),
-                        prepack=None if cfg.prepack else False,
-                        fuse_projections=None if cfg.fuse_projections else False,
-                        grouped_attention=cfg.grouped_attention)
+    speedups = cfg.speedups(device)
     # The pair check (taps, hidden size, vocab, fingerprint) runs here, before anything is timed.
     dec = SpecDecoder(target, draft if speculate else None, meta if speculate else None, shape=shape,
                       speedups=speedups)
