@@ -22,7 +22,7 @@ from eaglewire.data.datagen import run_datagen
 from eaglewire.errors import EaglewireError, UsageError
 from eaglewire.train import data as train_data
 from eaglewire.train import metrics
-from eaglewire.train.config import TrainConfig, lr_at
+from eaglewire.train.config import BudgetClock, TrainConfig, lr_at
 from eaglewire.train.trainer import _Run, train
 from eaglewire.train.ttt import TTTModel, TTTSpec, soft_cross_entropy, target_side
 
@@ -500,6 +500,31 @@ def test_init_from_refuses_a_draft_of_another_shape_or_taps(target, data, prompt
         train(TrainConfig(steps=2, init_from=str(root / "nowhere"), **FAST), target, prompts, out=root / "never",
               progress=False)
     assert not (root / "never").exists()
+
+
+def test_the_budget_clock_leaves_out_compilation_and_spreads_evaluations():
+    """A 300 s budget after 20 s of setup: the first 10 steps take 8 s (compilation), then 0.1 s a step, and an
+    evaluation of 6 s every 200 steps. The clock stops the run at step 2,131. Estimated from the last interval
+    with its evaluation in it, the horizon fell to a few hundred steps right after each evaluation (what dipped a
+    real run's rate for ten steps); estimated from the first interval, it ended the warmup early."""
+    clock = BudgetClock(budget_s=300.0, started=0.0, first_step=0)
+    now, estimates, stop = 20.0, {}, None
+    for done in range(1, 5000):
+        now += 8.0 / 10 if done <= 10 else 0.1
+        if done % 10 == 0:
+            clock.logged(done, 8.0 if done == 10 else 1.0)
+            estimates[done] = clock.horizon(done, now)
+        if done % 200 == 0:
+            now += 6.0  # an evaluation, after the log line
+            clock.paused(done, 6.0)
+        if now > 300.0:
+            stop = done
+            break
+    assert estimates[10] is None  # one interval, compilation in it: the plan stands
+    late = [h for d, h in estimates.items() if d > 200]  # from the first evaluation on
+    assert all(abs(h - stop) / stop < 0.03 for h in late), (stop, min(late), max(late))
+    for d in (400, 600, 1000):  # the log after an evaluation does not dip
+        assert abs(estimates[d + 10] - estimates[d]) / stop < 0.03, (d, estimates[d], estimates[d + 10])
 
 
 def test_default_evaluations_follow_the_horizon_a_time_budget_moves():

@@ -122,10 +122,10 @@ def lr_at(cfg: TrainConfig, step: int, total: int, horizon: int | None = None) -
     """Linear warmup, then cosine from lr to lr * min_lr_ratio at step `horizon` (default: total).
 
     A pure function of its arguments. Under a time budget the trainer moves the horizon to the
-    step the clock will stop it at, so the cosine still ends at its floor (train.py `_log`). The
+    step the clock will stop it at (BudgetClock), so the cosine still ends at its floor. The
     default warmup is 2% of that horizon, not of the planned total: a 270 s run of 750 steps planned
     as 20 epochs (27,920 steps) once spent 558 of its steps warming up. Until the first estimate
-    (--log-every steps in) the horizon is the plan, so that estimate ends a warmup it cuts short.
+    (two --log-every intervals in) the horizon is the plan, so that estimate ends a warmup it cuts short.
     """
     end = total if horizon is None else min(total, horizon)
     warm = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.02 * end)
@@ -134,6 +134,45 @@ def lr_at(cfg: TrainConfig, step: int, total: int, horizon: int | None = None) -
     progress = (step - warm) / max(1, end - warm)
     low = cfg.lr * cfg.min_lr_ratio
     return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass
+class BudgetClock:
+    """Under --time-budget-s, the step the clock will stop training at: where the cosine ends (lr_at's horizon).
+
+    A step costs its training seconds, measured since the first log so that the first interval's compilation and
+    data-loader start-up do not count (they once ended a 50-step warmup at step 20), plus its share of the
+    evaluations and saves, measured over the steps up to the last one. So an evaluation does not pull the horizon
+    in for the interval it falls in (it once dipped the rate from 8.8e-4 to 5.4e-4 for ten steps after each)."""
+
+    budget_s: float
+    started: float  # when the budget began: it counts setup (loading, regeneration) too
+    first_step: int  # the step this process's loop starts at (a resumed run's)
+    first_log: tuple[int, float] | None = None  # (step, training seconds) at this process's first log
+    train_s: float = 0.0  # training seconds of this process, evaluations and saves left out
+    paused_s: float = 0.0  # seconds of evaluations and saves
+    paused_at: int | None = None  # the step of the last one
+
+    def logged(self, done: int, train_seconds: float) -> None:
+        """A log interval ended at step `done` after `train_seconds` of training (evaluations and saves not in it)."""
+        self.train_s += train_seconds
+        if self.first_log is None:
+            self.first_log = (done, self.train_s)
+
+    def paused(self, done: int, seconds: float) -> None:
+        """An evaluation or a save after step `done` took `seconds`."""
+        self.paused_s += seconds
+        self.paused_at = done
+
+    def horizon(self, done: int, now: float) -> int | None:
+        """The estimated step the budget runs out at; None until there is a rate to estimate it from."""
+        if self.first_log is None or done <= self.first_log[0]:
+            return None
+        per_step = (self.train_s - self.first_log[1]) / (done - self.first_log[0])
+        if self.paused_at is not None:
+            per_step += self.paused_s / max(1, self.paused_at - self.first_step)
+        left = self.budget_s - (now - self.started)
+        return done + int(max(left, 0.0) / max(per_step, 1e-9))
 
 
 def flops_per_token(d: DraftConfig, target_model, ttt_steps: int, mean_len: float, online: bool) -> float:

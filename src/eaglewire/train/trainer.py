@@ -34,7 +34,7 @@ from ..vocab import draft_ids, select_draft_vocab
 from . import data as train_data
 from . import metrics
 from . import state as train_state
-from .config import PEAK_TFLOPS, TrainConfig, flops_per_token, lr_at
+from .config import PEAK_TFLOPS, BudgetClock, TrainConfig, flops_per_token, lr_at
 from .ttt import TTTModel, TTTSpec, target_side
 
 TAP_STATS_TOKENS = 4096  # tokens of training data the checkpoint's tap statistics are taken over
@@ -97,10 +97,11 @@ class _Run:
         self.dist.barrier()
         self.bad = torch.zeros((), dtype=torch.bool, device=self.device)  # a non-finite value seen; no host sync
         self.norm = torch.zeros((), device=self.device)  # the last step's gradient norm, on the device
-        self.tick, self.logged_at = t_start, self.start  # the last log line's time (reset as the loop starts), step
+        self.tick = t_start  # the last log line's time (reset as the loop starts)
         self.t_setup = 0.0  # loading, encoding, regeneration (known as the loop starts): the time budget counts it
         self.evaluated_at = self.start - self.start % self._eval_spacing()  # where an unbroken run evaluated
         self.t_other = self.t_train = 0.0  # seconds in evals/saves since the last log; training seconds
+        self.clock = BudgetClock(cfg.time_budget_s, t_start, self.start) if cfg.time_budget_s is not None else None
         self.tokens_run = 0  # tokens this run trained on, all ranks'
 
     # -- setup ---------------------------------------------------------------------------------
@@ -272,13 +273,18 @@ class _Run:
                 self.acc = self._fresh_acc()
             if done == self.total or stopped:
                 break
-            t = time.perf_counter()
+            t, paused = time.perf_counter(), False
             if self._eval_due(done):
                 self._log_eval(done)
-                self.evaluated_at = done
+                self.evaluated_at, paused = done, True
             if self.ckpt_every and done % self.ckpt_every == 0:
                 self.save(done, self.acc)
-            self.t_other += time.perf_counter() - t
+                paused = True
+            if paused:
+                spent = time.perf_counter() - t
+                self.t_other += spent
+                if self.clock:
+                    self.clock.paused(done, spent)
         bar.close()
         return self._finish(done, stopped)
 
@@ -325,9 +331,10 @@ class _Run:
         c = counts.cpu()
         now = time.perf_counter()
         seconds = max(now - self.tick - self.t_other, 1e-9)
-        wall, steps_logged = now - self.tick, done - self.logged_at  # evaluations and saves included
         self.t_train += seconds
-        self.tick, self.t_other, self.logged_at = now, 0.0, done
+        if self.clock:
+            self.clock.logged(done, seconds)
+        self.tick, self.t_other = now, 0.0
         loss = sum(cfg.ttt_decay ** k * float(c[k, 0]) for k in range(cfg.ttt_steps)) / max(1, acc["denom"])
         tps = acc["tokens"] / seconds
         rec = {"kind": "train", "step": done, "epoch": epoch, "lr": lr_at(cfg, done - 1, self.total, self.horizon), "loss": loss,
@@ -343,17 +350,17 @@ class _Run:
             late = torch.tensor([float(now - self.t_start > cfg.time_budget_s)], device=self.device)
             if float(self.dist.all_sum(late)) > 0:
                 return f"time budget of {cfg.time_budget_s:g} s reached at step {done} of {self.total}"
-            self._move_horizon(done, now, wall, steps_logged)
+            self._move_horizon(done, now)
         return None
 
-    def _move_horizon(self, done: int, now: float, seconds: float, steps: int) -> None:
-        """Under a time budget, end the cosine at the step the clock will stop training at (estimated
-        from the last log interval, evaluations included), so a budget-stopped draft is annealed.
-        Rank 0 decides: every rank must use the same learning rate."""
-        left = self.cfg.time_budget_s - (now - self.t_start)
-        est = done + int(left / max(seconds / max(steps, 1), 1e-9))
-        h = torch.tensor([float(min(self.total, max(done, est))) if self.dist.main else 0.0], device=self.device)
-        self.horizon = int(float(self.dist.all_sum(h)))
+    def _move_horizon(self, done: int, now: float) -> None:
+        """Under a time budget, end the cosine at the step the clock will stop training at (BudgetClock), so a
+        budget-stopped draft is annealed. Rank 0 decides: every rank must use the same learning rate."""
+        est = self.clock.horizon(done, now) if self.dist.main else None
+        h = torch.tensor([float(min(self.total, max(done, est))) if est is not None else 0.0], device=self.device)
+        h = int(float(self.dist.all_sum(h)))
+        if h > 0:  # 0: no rate yet (the first interval), the plan stands
+            self.horizon = h
 
     def _mfu(self, tokens_per_s: float | None) -> float | None:
         if not tokens_per_s or self.device.type != "cuda":
