@@ -138,14 +138,15 @@ def lr_at(cfg: TrainConfig, step: int, total: int, horizon: int | None = None) -
 
 @dataclass
 class BudgetClock:
-    """Under --time-budget-s, the step the clock will stop training at: where the cosine ends (lr_at's horizon).
+    """A run's training seconds, and under --time-budget-s the step the clock will stop training at: where the
+    cosine ends (lr_at's horizon).
 
     A step costs its training seconds, measured since the first log so that the first interval's compilation and
     data-loader start-up do not count (they once ended a 50-step warmup at step 20), plus its share of the
     evaluations and saves, measured over the steps up to the last one. So an evaluation does not pull the horizon
     in for the interval it falls in (it once dipped the rate from 8.8e-4 to 5.4e-4 for ten steps after each)."""
 
-    budget_s: float
+    budget_s: float | None  # None: no budget, only the seconds are kept
     started: float  # when the budget began: it counts setup (loading, regeneration) too
     first_step: int  # the step this process's loop starts at (a resumed run's)
     first_log: tuple[int, float] | None = None  # (step, training seconds) at this process's first log
@@ -166,7 +167,7 @@ class BudgetClock:
 
     def horizon(self, done: int, now: float) -> int | None:
         """The estimated step the budget runs out at; None until there is a rate to estimate it from."""
-        if self.first_log is None or done <= self.first_log[0]:
+        if self.budget_s is None or self.first_log is None or done <= self.first_log[0]:
             return None
         per_step = (self.train_s - self.first_log[1]) / (done - self.first_log[0])
         if self.paused_at is not None:

@@ -100,8 +100,8 @@ class _Run:
         self.tick = t_start  # the last log line's time (reset as the loop starts)
         self.t_setup = 0.0  # loading, encoding, regeneration (known as the loop starts): the time budget counts it
         self.evaluated_at = self.start - self.start % self._eval_spacing()  # where an unbroken run evaluated
-        self.t_other = self.t_train = 0.0  # seconds in evals/saves since the last log; training seconds
-        self.clock = BudgetClock(cfg.time_budget_s, t_start, self.start) if cfg.time_budget_s is not None else None
+        self.t_other = 0.0  # seconds in evals/saves since the last log
+        self.clock = BudgetClock(cfg.time_budget_s, t_start, self.start)  # training seconds; the budget's horizon
         self.tokens_run = 0  # tokens this run trained on, all ranks'
 
     # -- setup ---------------------------------------------------------------------------------
@@ -283,8 +283,7 @@ class _Run:
             if paused:
                 spent = time.perf_counter() - t
                 self.t_other += spent
-                if self.clock:
-                    self.clock.paused(done, spent)
+                self.clock.paused(done, spent)
         bar.close()
         return self._finish(done, stopped)
 
@@ -331,9 +330,7 @@ class _Run:
         c = counts.cpu()
         now = time.perf_counter()
         seconds = max(now - self.tick - self.t_other, 1e-9)
-        self.t_train += seconds
-        if self.clock:
-            self.clock.logged(done, seconds)
+        self.clock.logged(done, seconds)
         self.tick, self.t_other = now, 0.0
         loss = sum(cfg.ttt_decay ** k * float(c[k, 0]) for k in range(cfg.ttt_steps)) / max(1, acc["denom"])
         tps = acc["tokens"] / seconds
@@ -376,14 +373,14 @@ class _Run:
     def _finish(self, done: int, stopped: str | None) -> TrainResult:
         final = self._log_eval(done)
         model_sd, _ = parallel.full_state(self.inner, None)
-        tps = self.tokens_run / self.t_train if self.t_train > 0 else None
+        tps = self.tokens_run / self.clock.train_s if self.clock.train_s > 0 else None
         if self.dist.main:
             draft = checkpoint.draft_from_tensors(self.draft.config, {k[len("draft."):]: v for k, v in model_sd.items()
                                                                       if k.startswith("draft.")},
                                                   where=f"{self.out}: the trained draft")
             training = {"config": self.cfg.to_dict(), "data": self.corpus.provenance, "steps": done,
                         "planned_steps": self.total, "lr_horizon": self.horizon, "stopped_early": stopped, "world_size": self.dist.world,
-                        "flops_per_token": self.flops, "peak_tflops": PEAK_TFLOPS, "train_seconds": self.t_train,
+                        "flops_per_token": self.flops, "peak_tflops": PEAK_TFLOPS, "train_seconds": self.clock.train_s,
                         "setup_seconds": self.t_setup, "tokens_per_s": tps, "mfu": self._mfu(tps)}
             result = {"heldout": metrics.rounded(final), "eval_samples": len(self.eval_idx),
                       "train_samples": len(self.train_idx)}
@@ -400,7 +397,7 @@ class _Run:
         return TrainResult(self.out, {"heldout": final, "steps": done, "stopped_early": stopped,
                                       "tokens_per_s": tps, "mfu": self._mfu(tps), "flops_per_token": self.flops,
                                       "peak_tflops": PEAK_TFLOPS, "world_size": self.dist.world,
-                                      "train_seconds": self.t_train, "setup_seconds": self.t_setup})
+                                      "train_seconds": self.clock.train_s, "setup_seconds": self.t_setup})
 
 
 def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = False,
