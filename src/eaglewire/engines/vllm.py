@@ -58,11 +58,20 @@ class Job:
     enforce_eager: bool = False  # CUDA graphs, as served; True starts in half the time (acceptance only)
     logprobs: int = 0  # top-k logprobs of every new token (2: the gap that tells a near-tie)
     tensor_parallel_size: int = 1
+    # 1: one request at a time, each timed and counted (batch 1, as a user's latency); 0: every conversation in one
+    # call (acceptance only, in seconds: the counters are the call's, not a prompt's, and no time is a prompt's)
+    batch: int = 1
+    groups: list | None = None  # batch 0: sizes of consecutive groups of conversations, one call and counters each
 
     def __post_init__(self):
         if self.max_new_tokens < 1 or self.num_speculative_tokens < 1:
             raise UsageError(f"engine job: max_new_tokens {self.max_new_tokens} and num_speculative_tokens "
                              f"{self.num_speculative_tokens} must be >= 1")
+        if self.batch not in (0, 1):
+            raise ValueError(f"engine job: batch {self.batch}: 1 (one request at a time) or 0 (all in one call)")
+        if self.groups is not None and (self.batch != 0 or sum(self.groups) != len(self.conversations)):
+            raise ValueError(f"engine job: groups {self.groups} need batch 0 and must cover the "
+                             f"{len(self.conversations)} conversations")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,7 +206,9 @@ def aux_layers(log: str) -> dict | None:
 
 def serve(job: Job) -> dict:
     """Greedy chat on each conversation in turn (batch 1), a warm-up first; per prompt the new token ids,
-    the prompt's length, the wall time, the speculative counters and, if asked, the top-2 logprob gaps."""
+    the prompt's length, the wall time, the speculative counters and, if asked, the top-2 logprob gaps.
+    With `job.batch == 0`, every conversation in one call (or one call per `job.groups`): the same per prompt,
+    without times or counters, and each call's counters under "groups"."""
     import vllm
 
     spec = None
@@ -205,11 +216,22 @@ def serve(job: Job) -> dict:
         spec = {"method": "eagle3", "model": job.draft, "num_speculative_tokens": job.num_speculative_tokens}
     llm = vllm.LLM(model=job.target, tokenizer=job.target, dtype=job.dtype, max_model_len=job.max_model_len,
                    gpu_memory_utilization=job.gpu_memory_utilization, enforce_eager=job.enforce_eager,
-                   disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=1, seed=0,
+                   disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=job.batch or 256, seed=0,
                    tensor_parallel_size=job.tensor_parallel_size, speculative_config=spec)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=job.max_new_tokens,
                                  logprobs=job.logprobs or None)
     llm.chat(job.conversations[:1], params, use_tqdm=False)  # warm-up: kernels, graphs, allocator
+    if job.batch == 0:
+        groups, prompts, at = [], [], 0
+        for size in job.groups or [len(job.conversations)]:
+            before = read_counters(llm.get_metrics())
+            outs = llm.chat(job.conversations[at:at + size], params, use_tqdm=False)
+            groups.append(minus(read_counters(llm.get_metrics()), before))
+            prompts += [{"prompt_tokens": len(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
+                         "seconds": None, "counters": None,
+                         "gaps": top2_gaps(o.outputs[0].logprobs) if job.logprobs else None} for o in outs]
+            at += size
+        return {"vllm_version": vllm.__version__, "groups": groups, "prompts": prompts}
     prompts = []
     for conv in job.conversations:
         before = read_counters(llm.get_metrics())
