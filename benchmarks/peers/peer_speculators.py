@@ -270,12 +270,12 @@ def _steps(log: str) -> dict:
             "loss_last": losses[-1] if losses else None, "tokens": tokens or None}
 
 
-def _checkpoint(save: Path) -> Path | None:
-    """The interrupt's save, else the last epoch's (train/trainer.py:689-690, checkpointer.py:350)."""
-    if (save / "interrupted" / "config.json").is_file():
-        return save / "interrupted"
-    epochs = sorted((int(p.name), p) for p in save.glob("*") if p.name.isdigit() and (p / "config.json").is_file())
-    return epochs[-1][1] if epochs else None
+def _final_epoch(save: Path) -> Path | None:
+    """The last epoch's checkpoint once every epoch has run (train/trainer.py:736-744), else None."""
+    if not (save / "run.yaml").is_file():
+        return None
+    last = save / str(_settings(save / "run.yaml")["epochs"] - 1)
+    return last if (last / "model.safetensors").is_file() else None
 
 
 def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, python: str, env: dict | None = None,
@@ -311,7 +311,7 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
             now = time.perf_counter()
             if first is None and _STEP.search(log_path.read_text(errors="replace")):
                 first = now
-            if first is not None and sigint is None and now - first >= seconds:
+            if first is not None and sigint is None and now - first >= seconds and _final_epoch(save) is None:
                 proc.send_signal(signal.SIGINT)  # the trainer saves `interrupted/` (graceful_shutdown.py:140-168)
                 sigint = now
             if sigint is not None and now - sigint > SAVE_TIMEOUT_S:
@@ -324,8 +324,12 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
         raise
     end = time.perf_counter()
     text = log_path.read_text(errors="replace")
-    ckpt = _checkpoint(save)
-    if proc.returncode != 0 or ckpt is None:
+    # The interrupt's save; or, when every epoch ran within the budget, the last epoch's (a SIGINT
+    # that lands after run_training has returned ends the process with -2: nothing is lost then).
+    interrupted, final = save / "interrupted", _final_epoch(save)
+    ckpt = interrupted if (interrupted / "model.safetensors").is_file() else final
+    ok = proc.returncode == 0 or (sigint is not None and proc.returncode == -signal.SIGINT and ckpt == final)
+    if ckpt is None or not ok:
         raise RuntimeError(f"speculators train failed (exit {proc.returncode}"
                            f"{', no checkpoint in ' + str(save) if ckpt is None else ''}); {log_path}:\n{_tail(text)}")
     first = first if first is not None else end  # it finished between two polls
