@@ -289,7 +289,14 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
     SpecForge's do, which changes nothing for samples up to 2,048 tokens and makes the saved config
     say what `eaglewire import` builds) and --on-missing raise (the default asks a vLLM server for a
     missing sample, train/data.py:278). Not --max-steps: it runs one more step in every later epoch
-    (train/trainer.py:601-605).
+    (train/trainer.py:601-605). Left at speculators' default, and worth knowing under a budget: the
+    linear LR decays over 20 epochs (trainer.py:180), each epoch ends in a save and a validation, and
+    the last 10% of rows are held out (--train-data-ratio 0.9, train/data.py:172-182).
+
+    -> checkpoint (what `eaglewire import --from` reads), steps, loss_first/loss_last (train/loss:
+    the sum over the TTT steps, models/eagle3/core.py:319), tokens (from each step's logged
+    tokens_per_s x step_ms, 3 significant digits each), train_s (first step to SIGINT), startup_s
+    (launch to first step), save_s (SIGINT to exit), interrupted, settings, command, log.
     """
     out = _new_dir(out_dir, "output")  # an existing save path would be resumed from (trainer.py:267-296)
     save = out / "checkpoints"
