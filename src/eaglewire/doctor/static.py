@@ -98,6 +98,9 @@ def paired_width(ctx: Context) -> int | None:
 
 
 def check_bypass(ctx: Context) -> list[Finding]:
+    """SGLang 0.5.17: aux capture only for EAGLE3 and only when eagle_config.use_aux_hidden_state is not false
+    (model_runner_components/spec_aux_hidden_state.py:80-88); without it the draft gets the target's last hidden
+    state, and llama_eagle3.py:229 runs fc only when that width differs from the embedding's."""
     out, name = [], engine_name(ctx)
     nested = ctx.subject.dd.config.get("eagle_config")
     if ctx.engine and isinstance(nested, dict) and nested.get("use_aux_hidden_state") is False:
