@@ -139,7 +139,8 @@ def test_the_worker_imports_neither_eaglewire_nor_transformers_at_its_top():
 # server_args.py 0.5.17: the fields the worker sets (line of each declaration)
 SERVER_ARGS_0517 = {"model_path": 483, "context_length": 572, "dtype": 631, "mem_fraction_static": 765,
                     "disable_radix_cache": 923, "random_seed": 1196, "log_level": 1442, "attention_backend": 1643,
-                    "sampling_backend": 1670, "grammar_backend": 1679, "disable_cuda_graph": 1858,
+                    "sampling_backend": 1670, "grammar_backend": 1679, "disable_prefill_cuda_graph": 1848,
+                    "disable_cuda_graph": 1858,
                     "speculative_algorithm": 2024, "speculative_draft_model_path": 2029,
                     "speculative_num_steps": 2050, "speculative_eagle_topk": 2055,
                     "speculative_num_draft_tokens": 2060, "forward_hooks": 3421}
@@ -153,6 +154,7 @@ def test_engine_keywords_are_server_args_fields_and_leave_unset_arguments_to_sgl
     assert set(kw) <= set(SERVER_ARGS_0517)
     assert (kw["speculative_algorithm"], kw["speculative_num_steps"], kw["speculative_num_draft_tokens"]) == \
         ("EAGLE3", 7, 8) and kw["disable_cuda_graph"] and kw["attention_backend"] == "triton"
+    assert kw["disable_prefill_cuda_graph"]  # the forward hook fires on eager forwards only
     (hook,) = kw["forward_hooks"]
     assert hook["hook_factory"].endswith(":aux_layers_hook") and hook["config"] == {"out": "/h"}
     auto = w.engine_kwargs(asdict(job()), "/h")  # None: SGLang auto-chooses all three (speculative_hook.py:588)

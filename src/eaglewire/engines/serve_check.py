@@ -257,8 +257,10 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
     chain = 7 if chain is None else chain
     eng = serving(engine_name, memory=gpu_memory_utilization, sglang_python=sglang_python, sglang_path=sglang_path,
                   spec=spec)
-    eng.require()
+    found = eng.require()
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    if eng.name == "sglang" and found != sglang.VERSION:
+        log(f"eaglewire serve-check: SGLang {found} here; eaglewire's SGLang rules were read from {sglang.VERSION}")
     path = targets.resolve(target)
     if path.suffix == ".gguf":
         raise UsageError(f"--target {target}: {eng.label} serves Hugging Face model directories; `eaglewire prepare` "

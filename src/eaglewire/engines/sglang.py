@@ -13,7 +13,8 @@ rendered by the target's chat template in SGLang's process) or `input_ids` (toke
 are), `max_new_tokens`; `num_steps`, `eagle_topk`, `num_draft_tokens` (SGLang's --speculative-* arguments; None
 leaves them to SGLang, which then chooses all three, or refuses topk / draft tokens without steps); `batch` (1:
 a warm-up, then one prompt a call, each timed: tokens/s; 0: every prompt in one call: acceptance only, fast);
-`dtype`, `mem_fraction_static`, `cuda_graph`, `attention_backend` ("triton": the GPU bundle has no FA3),
+`dtype`, `mem_fraction_static`, `cuda_graph` (decode steps), `prefill_cuda_graph` (off by default: an eager prefill
+lets the forward hook read the target's capture list), `attention_backend` ("triton": the GPU bundle has no FA3),
 `top_logprobs` (per new token, the k most likely: 2 tells a near-tie).
 
 `run_job(job, log_path=None, where=None) -> dict` runs it in a Python process of its own (SGLang's own
@@ -77,7 +78,10 @@ class Job:
     batch: int = 1
     dtype: str = "bfloat16"
     mem_fraction_static: float = 0.5
-    cuda_graph: bool = True  # as served; False starts faster and lets the forward hook see every step
+    cuda_graph: bool = True  # decode steps in CUDA graphs, as served; False: all eager (starts faster)
+    # SGLang 0.5.17 graphs prefills too by default; its forward hooks fire on eager forwards only
+    # (cuda_graph_setup.py:157-164), so by default prefills run eager and the hook sees the target's capture list
+    prefill_cuda_graph: bool = False
     attention_backend: str = "triton"
     top_logprobs: int = 0
     context_length: int | None = None

@@ -22,8 +22,9 @@ Facts this relies on (sglang 0.5.17, python/sglang/srt/...):
 - server_args.py:3421-3428 `forward_hooks` (JSON list of {name, target_modules, hook_factory, config});
   model_executor/hook_manager.py:11-55 imports `hook_factory` in the scheduler process, calls it with `config`
   and registers the returned forward hook on every module whose name matches; model_runner_components/
-  cuda_graph_setup.py:157-164 registers them after CUDA-graph capture: they fire on eager forwards only
-  (prefill; every step with cuda_graph off). `aux_layers_hook` reads `layers_to_capture` of the target's inner
+  cuda_graph_setup.py:157-164 registers them after CUDA-graph capture: they fire on eager forwards only, so
+  prefills run eager unless the job asks otherwise (server_args.py:1848 `disable_prefill_cuda_graph`; decode
+  steps stay in graphs unless cuda_graph is off). `aux_layers_hook` reads `layers_to_capture` of the target's inner
   model: models/llama.py:411 (the list), :434-437 (at layer i it captures `hidden_states + residual`, the
   residual stream entering layer i: eaglewire's tap i), :885-897 (`set_eagle3_layers_to_capture`: no ids ->
   [2, N//2, N-3] as they are, ids -> `val + 1`). SGLang logs none of this.
@@ -50,8 +51,8 @@ META_KEYS = ("prompt_tokens", "completion_tokens", "finish_reason", "spec_verify
 # The speculative settings SGLang resolved (server_args.py fields), and what else shapes the run.
 RESOLVED_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
                  "speculative_num_draft_tokens", "speculative_draft_model_path", "attention_backend",
-                 "page_size", "disable_cuda_graph", "max_running_requests", "dtype", "mem_fraction_static",
-                 "disable_radix_cache", "sampling_backend")
+                 "page_size", "disable_cuda_graph", "disable_prefill_cuda_graph", "max_running_requests", "dtype",
+                 "mem_fraction_static", "disable_radix_cache", "sampling_backend")
 # The modules whose `layers_to_capture` says what the target feeds the draft: the target's inner model.
 HOOK_MODULES = ["model", "language_model.model"]
 
@@ -61,7 +62,8 @@ def engine_kwargs(job: dict, hook_file: str) -> dict:
     the draft as EAGLE3 when there is one. Speculative arguments left None are left to SGLang."""
     kw = dict(model_path=job["target"], dtype=job["dtype"], mem_fraction_static=job["mem_fraction_static"],
               attention_backend=job["attention_backend"], sampling_backend="pytorch", grammar_backend="none",
-              disable_cuda_graph=not job["cuda_graph"], disable_radix_cache=True, random_seed=0, log_level="info",
+              disable_cuda_graph=not job["cuda_graph"], disable_prefill_cuda_graph=not job["prefill_cuda_graph"],
+              disable_radix_cache=True, random_seed=0, log_level="info",
               forward_hooks=[{"name": "eaglewire_aux_layers", "target_modules": HOOK_MODULES,
                               "hook_factory": f"{hook_module()}:aux_layers_hook", "config": {"out": hook_file}}])
     if job["draft"] is not None:
