@@ -2,7 +2,8 @@
 
     from eaglewire.engines import sglang
     r = sglang.run_job(sglang.Job(target="MODEL_DIR", draft="SGLANG_DRAFT_DIR", conversations=convs,
-                                  max_new_tokens=256, num_steps=7, eagle_topk=1, num_draft_tokens=8, batch=0))
+                                  max_new_tokens=256, num_steps=7, eagle_topk=1, num_draft_tokens=8, batch=0),
+                       where=sglang.locate(python=None, path="SGLANG_SITE"))  # or $EAGLEWIRE_SGLANG_PATH
     sglang.counts(r)              # acceptance length, by position, over the prompts
     r["resolved"]                 # what SGLang resolved its speculative arguments to
     sglang.captured_taps(r)       # the taps SGLang's target fed the draft (its layers_to_capture)
@@ -104,10 +105,6 @@ class Job:
             # arg_groups/speculative_hook.py:588-601: with steps unset SGLang asserts the other two are unset too
             raise UsageError("SGLang job: SGLang refuses eagle_topk or num_draft_tokens without num_steps "
                              "(speculative_hook.py asserts it): give all three or none")
-
-    @property
-    def prompts(self) -> int:
-        return len(self.input_ids or self.conversations)
 
 
 @dataclass(frozen=True)
