@@ -71,6 +71,13 @@ def test_sglang_out_of_reach_is_one_line_with_the_install_command(tmp_path):
             sglang.require(sglang.Where(sys.executable, (str(tmp_path),)))
 
 
+def test_sglang_on_eaglewires_own_pythonpath_is_named_in_the_error(tmp_path, monkeypatch):
+    (tmp_path / "ssite" / "sglang").mkdir(parents=True)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "ssite"))
+    with pytest.raises(UsageError, match="on PYTHONPATH holds sglang: pass it with --sglang-path"):
+        sglang.require(sglang.Where(str(tmp_path / "no-python")))
+
+
 # --- readers of SGLang's meta_info ----------------------------------------------------------------------------
 
 def test_counters_from_meta_info_and_its_histogram():

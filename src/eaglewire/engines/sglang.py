@@ -152,8 +152,13 @@ def require(where: Where | None = None) -> str:
     where = where or locate()
     v = _version(where)
     if v is None:
+        # a site folder on eaglewire's own PYTHONPATH (the GPU bundle's assemble script puts it there) never reaches
+        # the worker, and would hand eaglewire SGLang's transformers
+        held = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d and (Path(d) / "sglang").is_dir()]
+        hint = (f"; {held[0]} on PYTHONPATH holds sglang: pass it with --sglang-path (or {PATH_ENV}) and take it off "
+                "PYTHONPATH" if held else "")
         raise UsageError(f"this runs the real SGLang {VERSION} in a Python of its own, and {where.describe()} cannot "
-                         f"import sglang: {INSTALL}")
+                         f"import sglang: {INSTALL}{hint}")
     return v
 
 
