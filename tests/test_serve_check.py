@@ -346,7 +346,11 @@ def test_sglang_wirings_in_its_own_words(world, monkeypatch):
     assert "eagle_aux_hidden_state_layer_ids" not in cfg and cfg[sglang_engine.MISSPELLED] == [1, 3, 4]
     assert plus["acceptance_length"] < r["sglang"]["acceptance_length"]
     assert fallback["acceptance_length"] == pytest.approx(r["sglang"]["acceptance_length"])
-    assert all(not j.cuda_graph for j in fake.jobs[2:])
+    assert all(not j.cuda_graph for j in fake.jobs[2:]) and fake.jobs[0].cuda_graph and fake.jobs[1].cuda_graph
+    assert r["settings"]["engine_cuda_graphs"]
+    fake = FakeSglang(world)
+    _check_sglang(world, monkeypatch, fake, eager=True)
+    assert [j.cuda_graph for j in fake.jobs] == [False, False]
     assert "nested key misspelled" in sc.render(r)
 
 

@@ -246,9 +246,11 @@ def ours(target, native: Path, suite: str, max_prompts, max_new_tokens: int, cha
 def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "mt-bench", max_prompts=20,
                 max_new_tokens: int = 256, chain: int | None = None, with_wirings: bool = False, device=None,
                 gpu_memory_utilization: float | None = None, engine_args: str | None = None,
-                sglang_python: str | None = None, sglang_path: str | None = None, log=None, work=None) -> dict:
+                sglang_python: str | None = None, sglang_path: str | None = None, eager: bool = False, log=None,
+                work=None) -> dict:
     """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0). chain: draft
-    tokens a step (default 7; with SGLang `engine_args`, the steps they resolve to)."""
+    tokens a step (default 7; with SGLang `engine_args`, the steps they resolve to). eager: no CUDA graphs in the
+    engine's timed runs either (the wirings always run eager)."""
     spec, asked = speculative_args(engine_name, engine_args, target)
     if asked is not None:
         if chain is not None and chain != asked.num_steps:
@@ -274,9 +276,9 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         job = dict(conversations=mine["conversations"], input_ids=mine["input_ids"], max_new_tokens=max_new_tokens,
                    chain=chain)
         log(f"eaglewire serve-check: {eng.label} without the draft")
-        plain = eng.run(str(path), gaps=True, **job)
+        plain = eng.run(str(path), gaps=True, eager=eager, **job)
         log(f"eaglewire serve-check: {eng.label} with the draft")
-        spec_r = eng.run(str(path), draft=str(p.engine_dir), **job)
+        spec_r = eng.run(str(path), draft=str(p.engine_dir), eager=eager, **job)
         alts = []
         for k, w in enumerate(eng.wirings(p.taps, p.num_layers, p.model_type) if with_wirings else []):
             d = served_copy(p.engine_dir, w.pop("edit"), work / f"wiring-{k}")
@@ -284,8 +286,10 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
             r = eng.run(str(path), draft=str(d), eager=True, **job)
             rows = eng.rows(r, chain)
             alts.append({**w, "captured": eng.captured(r), "per_prompt": rows, **counts(rows, chain)})
-        return result(eng, p, mine, plain, spec_r, alts, chain, max_new_tokens, target,
-                      _asked(asked, eng.speculation(spec_r), engine_args) if asked is not None else None)
+        r = result(eng, p, mine, plain, spec_r, alts, chain, max_new_tokens, target,
+                   _asked(asked, eng.speculation(spec_r), engine_args) if asked is not None else None)
+        r["settings"]["engine_cuda_graphs"] = not eager
+        return r
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
@@ -428,7 +432,8 @@ def cmd_serve_check(args) -> int:
     r = serve_check(args.draft, args.target, engine_name=args.engine, suite=args.suite, max_prompts=args.max_prompts,
                     max_new_tokens=args.max_new_tokens, chain=args.chain, with_wirings=args.wirings,
                     device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
-                    engine_args=args.engine_args, sglang_python=args.sglang_python, sglang_path=args.sglang_path)
+                    engine_args=args.engine_args, sglang_python=args.sglang_python, sglang_path=args.sglang_path,
+                    eager=args.eager)
     print(render(r))
     if args.json:
         write_json(args.json, r)
@@ -458,6 +463,8 @@ def register(sub) -> None:
     p.add_argument("--sglang-path", default=None, metavar="DIR",
                    help=f"folders put first on that Python's path, where SGLang's wheels were unpacked (default "
                         f"${sglang.PATH_ENV})")
+    p.add_argument("--eager", action="store_true",
+                   help="the engine's timed runs without CUDA graphs too (starts faster; tokens/s then not as served)")
     cli_args.add_device(p, help="where eaglewire's decoder runs (default: cuda if available)")
     cli_args.add_gpu_memory(p, help="the share of the GPU's memory the engine takes (vLLM's gpu_memory_utilization, "
                             "default 0.5; SGLang's mem_fraction_static, default 0.5)")
