@@ -19,8 +19,11 @@ def test_sglang_server_args_topk1_forces_draft_tokens_to_steps_plus_1_the_seed_i
 
 
 @pytest.mark.parametrize("arch,auto", [("LlamaForCausalLM", (5, 4, 8)), ("DeepseekV3ForCausalLM", (3, 1, 4)),
-                                       ("Qwen3ForCausalLM", (5, 4, 8)), (None, (5, 4, 8))])
+                                       ("Grok1ForCausalLM", (5, 4, 8)), ("Qwen3ForCausalLM", (3, 1, 4)),
+                                       ("Qwen2ForCausalLM", (3, 1, 4)), (None, (3, 1, 4))])
 def test_sglang_auto_choose_speculative_params_by_target_architecture(arch, auto):
+    """speculative_hook.py:795-825 (0.5.17; 0.5.11 server_args.py:7471-7506): only Llama and Grok-1 get (5, 4, 8);
+    every architecture it does not name falls to (3, 1, 4)."""
     run = ea.parse("sglang", "--speculative-algorithm=EAGLE3", target_arch=arch)
     assert (run.num_steps, run.topk, run.num_draft_tokens) == auto
     assert run.overrides[0].used == list(auto) and run.overrides[0].severity == "info"
@@ -30,10 +33,14 @@ def test_sglang_refusals_and_aliases_from_server_args():
     assert ea.parse("sglang", "--speculative-algorithm EAGLE3 --speculative-eagle-topk 4").refusals  # steps unset
     r = ea.parse("sglang", "--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-eagle-topk 4 "
                            "--speculative-num-draft-tokens 8 --page-size 16")
-    assert any("page-size" in x.why for x in r.refusals)
-    ok = ea.parse("sglang", "--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-eagle-topk 4 "
-                            "--speculative-num-draft-tokens 8 --page-size 16 --attention-backend flashinfer")
-    assert not ok.refusals
+    assert not r.refusals  # no backend named: SGLang picks one for the hardware first
+    tree = ("--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-eagle-topk 4 "
+            "--speculative-num-draft-tokens 8 --page-size 16 --attention-backend ")
+    for backend, refused in (("flashinfer", False), ("fa3", False), ("triton", False), ("torch_native", True)):
+        r = ea.parse("sglang", tree + backend)  # speculative_hook.py:666-681 (0.5.17)
+        assert bool(r.refusals) == refused and all("page-size" in x.why for x in r.refusals), backend
+    old = ea.parse("sglang", tree + "triton", engine_version="0.5.12")  # before 0.5.13: flashinfer and fa3 only
+    assert old.refusals and "only flashinfer, fa3" in old.refusals[0].why
     assert ea.parse("sglang", "--speculative_algorithm NEXTN").algorithm == "EAGLE"  # NEXTN is EAGLE
     off = ea.parse("sglang", "--model-path M")
     assert off.algorithm is None and off.overrides[0].severity == "error"

@@ -284,9 +284,13 @@ def test_d2t_absolute_ids_and_t2d_disagreement(tmp_path):
 
 def test_lm_head_replaced_by_sglang(tmp_path):
     out = export(tmp_path, "sglang")
-    edit(out, lambda c: c.pop("draft_vocab_size"))  # llama_eagle3.py: load_lm_head_from_target
+    edit(out, lambda c: c.__setitem__("draft_vocab_size", None))  # llama_eagle3.py:295-297: load_lm_head_from_target
     r = diagnose(out)
-    assert "TARGET's lm_head" in r.get("LM_HEAD_REPLACED").message
+    assert "null: SGLang loads the TARGET's lm_head" in r.get("LM_HEAD_REPLACED").message
+    fix_and_rerun(r, "LM_HEAD_REPLACED", out)
+    edit(out, lambda c: c.pop("draft_vocab_size"))  # llama_eagle3.py:295, :307 read it: an AttributeError
+    r = diagnose(out)
+    assert "absent: SGLang fails to build the draft" in r.get("LM_HEAD_REPLACED").message
     fix_and_rerun(r, "LM_HEAD_REPLACED", out)
     edit(out, lambda c: c.__setitem__("tie_word_embeddings", True))
     r = diagnose(out)
@@ -339,7 +343,7 @@ def test_engine_args_seed_incident_16_draft_tokens_become_2(tmp_path):
     assert f.severity == "warning" and "asked 16" in f.message and "use 2" in f.message
     fix_and_rerun(r, "ENGINE_ARGS_OVERRIDE", out, engine_args=args)
     for refused in ("--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-eagle-topk 4 "
-                    "--speculative-num-draft-tokens 8 --page-size 16",
+                    "--speculative-num-draft-tokens 8 --page-size 16 --attention-backend torch_native",
                     "--speculative-algorithm EAGLE3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
                     "--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-eagle-topk 4 "
                     "--speculative-num-draft-tokens 8 --attention-backend trtllm_mha"):

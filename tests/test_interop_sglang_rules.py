@@ -92,20 +92,27 @@ def test_deepseek_v2_first_id_heuristic_since_0_5_13(tmp_path, version, ids, tap
 
 
 def test_fc_width_follows_ids_from_0_5_12(tmp_path):
-    """models/llama_eagle3.py: fc is hidden_size_in * 3 before 0.5.12, * len(nested ids) after."""
+    """models/llama_eagle3.py: fc is hidden_size_in * 3 before 0.5.12; after, * num_aux_hidden_states if set, else *
+    len(nested ids), else * 3 (0.5.17 :148-153, 0.5.12 :154-158)."""
     sg = _export(tmp_path, taps=(2, 3, 4, 5))
     assert interop.read_engine_view(sg, "sglang", "0.5.12").num_aux_expected == 4
     old = interop.read_engine_view(sg, "sglang", "0.5.11")
     assert old.num_aux_expected == 3 and any("fc.weight is 128 wide" in p for p in old.problems)
+    _edit(sg, lambda c: c.__setitem__("num_aux_hidden_states", 3))
+    stated = interop.read_engine_view(sg, "sglang", "0.5.17")
+    assert stated.num_aux_expected == 3 and any("fc.weight is 128 wide" in p for p in stated.problems)
 
 
-def test_lm_head_from_target_without_draft_vocab_size(tmp_path):
-    """models/llama_eagle3.py __init__: draft_vocab_size None -> load_lm_head_from_target (full vocab);
+def test_lm_head_from_target_when_draft_vocab_size_is_null(tmp_path):
+    """models/llama_eagle3.py:292-297 (0.5.17): draft_vocab_size None -> load_lm_head_from_target (full vocab); absent,
+    `config.draft_vocab_size` raises (no lm_head is loaded at all: doctor's LM_HEAD_REPLACED says so);
     tie_word_embeddings -> lm_head IS the embedding, so a stored lm_head.weight is dropped."""
     sg = _export(tmp_path)
     assert not interop.read_engine_view(sg, "sglang").lm_head_from_target
-    _edit(sg, lambda c: c.pop("draft_vocab_size"))
+    _edit(sg, lambda c: c.__setitem__("draft_vocab_size", None))
     assert interop.read_engine_view(sg, "sglang").lm_head_from_target
+    _edit(sg, lambda c: c.pop("draft_vocab_size"))
+    assert not interop.read_engine_view(sg, "sglang").lm_head_from_target
     _edit(sg, lambda c: c.update(tie_word_embeddings=True, draft_vocab_size=64))
     assert "lm_head.weight" in interop.read_engine_view(sg, "sglang").weights_dropped
 

@@ -19,7 +19,9 @@ from eaglewire.bench import run as bench
 from eaglewire.cli import main as cli_main
 from eaglewire.data.suites import encode_prompt
 from eaglewire.engines import serve_check as sc
+from eaglewire.engines import sglang as sglang_engine
 from eaglewire.engines import vllm as engine
+from eaglewire.errors import UsageError
 from eaglewire.taps import TapContract
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,7 +114,7 @@ def test_a_faithful_engine_agrees_and_its_greedy_tokens_are_the_targets(world, m
     assert r["ok"], sc.render(r)
     assert r["ours"]["acceptance_length"] == pytest.approx(r["vllm"]["acceptance_length"])
     assert r["ours"]["acceptance_length"] > 1.2  # the draft accepts: a comparison with something in it
-    assert r["greedy"]["identical"] == 4 and r["engine_aux_layers"]["ids"] == list(TAPS)
+    assert r["greedy"]["identical"] == 4 and r["engine_aux_layers"] == {"from": "config", "taps": list(TAPS)}
     served = Path(fake.jobs[1].draft)  # exported to vLLM's format, ids in its convention
     assert served.name == "vllm" and json.loads((served / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
@@ -146,7 +148,7 @@ def test_wirings_serve_the_same_weights_with_other_ids(world, monkeypatch):
     r = _check(world, monkeypatch, fake, with_wirings=True)
     got = {w["label"].split(":")[0]: w for w in r["wirings"]}
     assert set(got) == {"every tap -1", "every tap +1", "id 0 for tap 2"}
-    assert got["every tap +1"]["ids"] == [3, 5, 6] and got["every tap +1"]["aux_layers"]["ids"] == [3, 5, 6]
+    assert got["every tap +1"]["ids"] == [3, 5, 6] and got["every tap +1"]["captured"]["taps"] == [3, 5, 6]
     assert got["id 0 for tap 2"]["ids"] == [0, 4, 5]
     # the draft was fitted to [2, 4, 5]: the engine accepts less with the ids one layer off, and least where id 0
     # hands it the last layer's output
@@ -215,3 +217,176 @@ def test_with_ids_rewrites_only_the_ids_and_links_the_weights(world, tmp_path):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6] and "eaglewire" not in cfg
     assert (out / "model.safetensors").is_symlink()
     assert interop.read_engine_view(out, "vllm", num_layers=8).captured_taps == [3, 5, 6]
+
+
+# --- SGLang: its run_job replaced by an engine that reads the served directory as SGLang 0.5.17 does ---------
+
+class FakeSglang:
+    """engines.sglang.run_job's stand-in: the served directory read as SGLang 0.5.17 reads it, written here from its
+    source, not from eaglewire's interop: the ids only from the nested eagle_config, inside a bare except that turns
+    a missing or misspelled key into "no ids" (spec_aux_hidden_state.py:80-94); no ids -> layers [2, N//2, N-3] as
+    they are, ids -> `val + 1` (llama.py:885-897); topk 1 forces draft tokens to steps + 1 (speculative_hook.py:
+    656-664). Our decoder does the work on the native draft given those taps. The result is shaped like the
+    worker's: meta_info's counters and spec_correct_drafts_histogram, the forward hook's layers_to_capture, the
+    resolved arguments. `plus_one=False`: an SGLang that took the ids as taps; `force=False`: one that kept the
+    asked draft tokens; `flip`: {prompt: position} of a token the draft run writes otherwise."""
+
+    def __init__(self, world, plus_one: bool = True, force: bool = True, flip: dict | None = None):
+        self.world, self.plus_one, self.force, self.flip, self.jobs = world, plus_one, force, flip or {}, []
+
+    def native(self, layers) -> Path:
+        out = self.world / f"sglang-as-served-{'-'.join(map(str, layers))}"
+        if not out.exists():
+            model, meta = checkpoint.load_draft(self.world / "ck")
+            checkpoint.save_draft(model, out, contract=TapContract(8, tuple(layers)),
+                                  target_fingerprint=meta.target)
+        return out
+
+    def __call__(self, job, log_path=None, where=None):
+        self.jobs.append(job)
+        w, layers = self.world, []
+        steps, topk, ndt = job.num_steps, job.eagle_topk, job.num_draft_tokens
+        native = w / "ck"
+        if job.draft is not None:
+            if self.force and topk == 1:
+                ndt = steps + 1
+            cfg = json.loads((Path(job.draft) / "config.json").read_text())
+            try:
+                ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+            except:  # noqa: E722 -- SGLang's own bare except
+                ids = None
+            layers = [2, 8 // 2, 8 - 3] if ids is None else [i + 1 if self.plus_one else i for i in ids]
+            native = self.native(layers)
+        cfg = bench.BenchConfig(suite=str(w / "suite.txt"), max_new_tokens=job.max_new_tokens, chain=steps or 1,
+                                hf=False, device="cpu", warmup=False)
+        _, _, _, t, draft, meta, _, eos = bench.prepare(str(w / "target"), str(native), cfg)
+        _, run, _ = bench.decoder_runner(t, draft, meta, cfg, torch.device("cpu"), eos, speculate=job.draft is not None)
+        out = []
+        for i, ids in enumerate(job.input_ids):
+            gen = run(torch.tensor([ids]), job.max_new_tokens)
+            tokens = list(gen.tokens)
+            if job.draft is not None and i in self.flip:
+                tokens[self.flip[i]] = (tokens[self.flip[i]] + 1) % 128
+            m = {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "finish_reason": {"type": "length"}}
+            if job.draft is not None:  # tokenizer_manager.py:2435-2436: only with a speculative algorithm
+                acc = gen.accepted or []
+                hist = [sum(a == k for a in acc) for k in range(max(acc, default=0) + 1)]
+                m.update(spec_verify_ct=len(acc), spec_num_correct_drafts=sum(acc),
+                         spec_num_proposed_drafts=len(acc) * (ndt - 1), spec_correct_drafts_histogram=hist,
+                         spec_accept_length=len(tokens) / len(acc))
+            row = {"tokens": tokens, "prompt_tokens": len(ids), "seconds": gen.wall_s if job.batch else None,
+                   "meta": m}
+            if job.top_logprobs:
+                row["top_logprobs"] = [[[-0.1, tok], [-5.1, (tok + 1) % 128]] for tok in tokens]
+            out.append(row)
+        spec = job.draft is not None
+        return {"sglang_version": "fake", "prompts": out, "seconds": None, "log_tail": [],
+                "resolved": {"speculative_algorithm": "EAGLE3" if spec else None, "speculative_num_steps": steps,
+                             "speculative_eagle_topk": topk, "speculative_num_draft_tokens": ndt},
+                "hooks": [{"module": "sglang.srt.models.llama.LlamaModel", "layers_to_capture": layers}]}
+
+
+def _check_sglang(world, monkeypatch, fake, **kw):
+    import tempfile
+
+    from eaglewire.engines import sglang
+
+    monkeypatch.setattr(sglang, "run_job", fake)
+    monkeypatch.setattr(sglang, "require", lambda where=None: "fake")
+    kw.setdefault("chain", None if "engine_args" in kw else 4)
+    return sc.serve_check(world / "ck", str(world / "target"), engine_name="sglang", suite=str(world / "suite.txt"),
+                          max_prompts=4, max_new_tokens=24, device="cpu", log=lambda m: None,
+                          work=tempfile.mkdtemp(dir=world), **kw)
+
+
+def test_sglang_a_faithful_engine_agrees_and_shows_what_it_captured(world, monkeypatch):
+    fake = FakeSglang(world)
+    r = _check_sglang(world, monkeypatch, fake)
+    assert r["ok"], sc.render(r)
+    assert r["engine"] == "sglang" and r["sglang"]["acceptance_length"] == pytest.approx(r["ours"]["acceptance_length"])
+    assert r["sglang"]["rate_by_position"] == pytest.approx(r["ours"]["rate_by_position"])  # from the histogram
+    assert r["ours"]["acceptance_length"] > 1.2
+    assert r["engine_aux_layers"]["taps"] == list(TAPS) and r["greedy"]["identical"] == 4
+    served = Path(fake.jobs[1].draft)  # exported to SGLang's format: nested ids, id j = tap j + 1
+    assert json.loads((served / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    plain, spec = fake.jobs[:2]
+    assert plain.draft is None and plain.top_logprobs == 2 and plain.num_steps is None
+    assert (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, spec.batch) == (4, 1, 5, 1)
+    assert spec.input_ids == plain.input_ids and len(spec.input_ids) == 4  # our decoder's prompt ids
+    text = sc.render(r)
+    assert "SGLang fake" in text and "spec_accept_length" in text and "within the tolerance of 5%" in text
+
+
+def test_sglang_that_takes_the_ids_as_taps_is_caught(world, monkeypatch):
+    """Negative control: an SGLang without the +1 captures taps [1, 3, 4]: the hook shows it and the run fails."""
+    r = _check_sglang(world, monkeypatch, FakeSglang(world, plus_one=False))
+    assert r["engine_aux_layers"]["taps"] == [1, 3, 4] and not r["ok"]
+    assert "captured taps [1, 3, 4], not [2, 4, 5]" in sc.render(r)
+
+
+def test_sglang_greedy_tokens_are_counted_not_failed(world, monkeypatch):
+    r = _check_sglang(world, monkeypatch, FakeSglang(world, flip={2: 5}))
+    g = r["greedy"]
+    assert g["mismatches"] == [{"prompt": 2, "position": 5, "top2_gap": pytest.approx(5.0)}] and not g["must_match"]
+    assert g["identical"] == 3 and g["ok"] and r["ok"]
+    assert "1 differ (first: prompt 2 position 5) (counted, not held" in sc.render(r)
+
+
+def test_sglang_wirings_in_its_own_words(world, monkeypatch):
+    fake = FakeSglang(world)
+    r = _check_sglang(world, monkeypatch, fake, with_wirings=True)
+    got = {w["label"].split(" (")[0].split(":")[0]: w for w in r["wirings"]}
+    plus, minus, fallback = (got["every nested id +1"], got["every nested id -1"], got["nested key misspelled"])
+    assert (plus["ids"], plus["taps"], plus["captured"]["taps"]) == ([2, 4, 5], [3, 5, 6], [3, 5, 6])
+    assert (minus["ids"], minus["taps"], minus["captured"]["taps"]) == ([0, 2, 3], [1, 3, 4], [1, 3, 4])
+    # the misspelled key: SGLang's default [2, N//2, N-3] = [2, 4, 5], without the +1 (= this draft's taps)
+    assert fallback["ids"] is None and fallback["taps"] == fallback["captured"]["taps"] == [2, 4, 5]
+    cfg = json.loads((Path(fake.jobs[4].draft) / "config.json").read_text())["eagle_config"]
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg and cfg[sglang_engine.MISSPELLED] == [1, 3, 4]
+    assert plus["acceptance_length"] < r["sglang"]["acceptance_length"]
+    assert fallback["acceptance_length"] == pytest.approx(r["sglang"]["acceptance_length"])
+    assert all(not j.cuda_graph for j in fake.jobs[2:]) and fake.jobs[0].cuda_graph and fake.jobs[1].cuda_graph
+    assert r["settings"]["engine_cuda_graphs"]
+    fake = FakeSglang(world)
+    _check_sglang(world, monkeypatch, fake, eager=True)
+    assert [j.cuda_graph for j in fake.jobs] == [False, False]
+    assert "nested key misspelled" in sc.render(r)
+
+
+def test_sglang_engine_flag_trap_reports_what_sglang_resolved(world, monkeypatch):
+    """The seed incident's flags: steps 1, topk 1, 16 draft tokens. SGLang runs 2 (speculative_hook.py:656-664);
+    the doctor predicts 2; the draft proposes 1 token a step. An SGLang that kept 16 shows the doctor wrong."""
+    trap = "--speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 16"
+    fake = FakeSglang(world)
+    r = _check_sglang(world, monkeypatch, fake, engine_args=trap)
+    assert (fake.jobs[1].num_steps, fake.jobs[1].eagle_topk, fake.jobs[1].num_draft_tokens) == (1, 1, 16)
+    assert r["settings"]["chain"] == 1 and r["ok"], sc.render(r)
+    sp, ask = r["speculation"], r["engine_args"]
+    assert (sp["num_steps"], sp["eagle_topk"], sp["num_draft_tokens"], sp["proposed_per_step"]) == (1, 1, 2, 1.0)
+    assert ask["requested"] == {"num_steps": "1", "eagle_topk": "1", "num_draft_tokens": "16"}
+    assert ask["doctor"]["num_draft_tokens"] == 2 and ask["doctor_agrees"]
+    assert "as SGLang resolved" in sc.render(r)
+    r = _check_sglang(world, monkeypatch, FakeSglang(world, force=False), engine_args=trap)
+    assert not r["engine_args"]["doctor_agrees"] and "NOT what SGLang resolved" in sc.render(r)
+
+
+def test_sglang_engine_args_that_cannot_be_compared_are_usage_errors(world, monkeypatch):
+    fake = FakeSglang(world)
+    with pytest.raises(UsageError, match="tree"):
+        _check_sglang(world, monkeypatch, fake, engine_args="--speculative-num-steps 3 --speculative-eagle-topk 4 "
+                                                            "--speculative-num-draft-tokens 8")
+    with pytest.raises(UsageError, match="refuse"):
+        _check_sglang(world, monkeypatch, fake, engine_args="--speculative-eagle-topk 1")
+    with pytest.raises(UsageError, match="passes only"):
+        _check_sglang(world, monkeypatch, fake, engine_args="--speculative-num-steps 2 --tp 2")
+    with pytest.raises(UsageError, match="vLLM drafts --chain K"):
+        sc.serve_check(world / "ck", str(world / "target"), engine_name="vllm", engine_args="--speculative-num-steps 2")
+    assert not fake.jobs
+
+
+def test_without_sglang_the_command_says_how_to_install_it(world, capsys, tmp_path):
+    code = cli_main(["serve-check", "--engine", "sglang", "--draft", str(world / "ck"), "--target",
+                     str(world / "target"), "--sglang-python", str(tmp_path / "no-python")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "pip install 'sglang==0.5.17'" in err[0] and "--sglang-python" in err[0]

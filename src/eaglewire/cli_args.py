@@ -64,10 +64,11 @@ def _fraction(text: str) -> float:
     except ValueError:
         f = -1.0
     if not 0.0 < f <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text}: give the share of the GPU's memory vLLM may take, in (0, 1]")
+        raise argparse.ArgumentTypeError(f"{text}: give the share of the GPU's memory the engine may take, in (0, 1]")
     return f
 
 
 def add_gpu_memory(p, *, help: str) -> None:
-    """--gpu-memory-utilization, vLLM's own flag and meaning; None: the job's default (engines/vllm.py)."""
+    """--gpu-memory-utilization, vLLM's own flag and meaning (SGLang's mem_fraction_static under serve-check); None:
+    the job's default (engines/vllm.py, engines/sglang.py)."""
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="F", help=help)

@@ -164,6 +164,9 @@ def _one(n: int) -> int:
     return 1
 
 
+# SGLang 0.5.17 models/llama.py:434-437 captures `hidden_states + residual` at the start of layer i for i in
+# layers_to_capture, which :885-897 sets to `[val + 1 for val in layer_ids]` (no ids: [2, N//2, N-3] as they are).
+# i = 0 (id -1) adds None; i = N (id N-1) is never reached, so the draft gets fewer taps than its fc reads.
 _SGLANG_WHY = ("SGLang captures `hidden_states + residual` at the start of layer loop iteration id+1: "
                "the embedding (residual is None at layer 0) and the output of the last layer are never captured")
 
@@ -191,13 +194,15 @@ CONVENTIONS: dict[str, Convention] = {c.name: c for c in [
                "vllm-project/speculators eagle3 config", 0, _zero, _n),
     Convention("sglang", "id j = tap j+1 (llama/qwen models add +1: `[val + 1 for val in layer_ids]`)",
                "config.json eagle_config.eagle_aux_hidden_state_layer_ids (nested)",
-               "sglang/srt/models/llama.py set_eagle3_layers_to_capture", 1, _one, _n_minus_1, _SGLANG_WHY),
+               "sglang/srt/models/llama.py:885-897 set_eagle3_layers_to_capture (0.5.17)", 1, _one, _n_minus_1,
+               _SGLANG_WHY),
     Convention("sglang-deepseek-legacy", "DeepSeek family before PR #25454: id j = tap j+1, unconditionally",
                "config.json eagle_config.eagle_aux_hidden_state_layer_ids (nested)",
                "sglang/srt/models/deepseek_v2.py (before PR #25454)", 1, _one, _n_minus_1, _SGLANG_WHY),
     FirstIdHeuristic("sglang-deepseek", "DeepSeek family since PR #25454: id j = tap j+1 if ids[0] == 1, "
                      "else tap j", "config.json eagle_config.eagle_aux_hidden_state_layer_ids (nested)",
-                     "sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture", 0, _one, _n_minus_1,
+                     "sglang/srt/models/deepseek_v2.py:3134-3149 set_eagle3_layers_to_capture (0.5.17)", 0, _one,
+                     _n_minus_1,
                      _SGLANG_WHY),
     Convention("specforge", "id j = 0-based OUTPUT of layer j = tap j+1 (also ModelOpt, TRT-LLM)",
                "eagle_aux_hidden_state_layer_ids in the draft/run config",
@@ -220,5 +225,7 @@ def sglang_convention(model_type: str, legacy: bool = False) -> str:
 
 
 def sglang_default_taps(num_layers: int) -> tuple[int, ...]:
-    """Taps SGLang captures when the ids are ABSENT: [2, N//2, N-3] used WITHOUT the +1 (sglang #23569)."""
+    """Taps SGLang captures when the ids are ABSENT (or unreadable: the bare except of 0.5.17's
+    model_runner_components/spec_aux_hidden_state.py:80-94): [2, N//2, N-3] used WITHOUT the +1 (models/llama.py:
+    889-892; sglang #23569)."""
     return (2, num_layers // 2, num_layers - 3)

@@ -108,7 +108,7 @@ def diagnose(draft, *, target=None, engine: str | None = None, engine_version: s
                                     "bare except then captures its default taps, vLLM refuses to start",
                                     "write the ids as a list of integers"))
     run = eargs.parse(engine, engine_args, target_arch=facts.architecture, draft_path=str(s.path),
-                      draft_config=s.dd.config) if engine_args else None
+                      draft_config=s.dd.config, engine_version=version) if engine_args else None
     ctx = Context(subject=s, target=facts, engine=engine, version=version, version_assumed=how, view=view,
                   run=run, engine_args=engine_args)
     findings += static.run_checks(ctx)

@@ -2,18 +2,25 @@
 engine will REALLY run with: its auto-chosen defaults, the settings it silently rewrites, and the
 combinations it refuses at start-up.
 
-Rules read from:
-- SGLang python/sglang/srt/server_args.py `_handle_speculative_decoding` and
-  `auto_choose_speculative_params`: steps/topk/draft tokens are auto-chosen only when all three are
-  unset ((5, 4, 8) for Llama, (3, 1, 4) for DeepSeek V2/V3, (5, 4, 8) otherwise); topk 1 forces
-  draft tokens to steps + 1 with only a log warning; topk > 1 with page size > 1 is refused except
-  on flashinfer; trtllm_mha refuses topk > 1; NEXTN is an alias of EAGLE.
-- SGLang speculative/eagle_worker.py: an EAGLE-3 draft ignores --speculative-token-map;
-  speculative/eagle_utils.py `organize_draft_results`: a tree verifies at most
+Rules read from (SGLang 0.5.17 lines; 0.5.11 and 0.5.23 checked where said):
+- SGLang python/sglang/srt/arg_groups/speculative_hook.py (server_args.py before 0.5.13), run from
+  `ServerArgs.__post_init__` (server_args.py:3590-3592) through `_handle_eagle_family` (:525):
+  steps/topk/draft tokens are auto-chosen only when steps is unset, and then topk and draft tokens must be
+  unset too, an assert (:588-601); `_auto_choose_speculative_params` (:795-825; 0.5.11 server_args.py:
+  7471-7506, 0.5.23 the same): (5, 4, 8) for LlamaForCausalLM and Grok-1, (3, 1, 4) for the DeepSeek/GLM
+  families listed there, for a STANDALONE draft AND for every other architecture (Qwen included);
+  trtllm_mha refuses topk > 1 (:603-607); topk 1 forces draft tokens to steps + 1 with only a log
+  warning (:656-664); topk > 1 with page size > 1 is refused unless the attention backend is one of
+  flashinfer, fa3, triton (:666-681; flashinfer and fa3 only before 0.5.13, 0.5.11 server_args.py:
+  3548-3555); NEXTN (and EAGLE) resolve to EAGLE (:24-59).
+- SGLang speculative/eagle_worker_v2.py:259-266: an EAGLE-3 draft ignores --speculative-token-map;
+  speculative/eagle_utils.py:100-119 `organize_draft_results`: a tree verifies at most
   topk + (steps - 1) x topk^2 + 1 tokens (torch.topk over the drafted candidates).
 - vLLM vllm/config/speculative.py: without "method", the method is detected from the draft path
   ("eagle-" -> eagle, then "eagle3" -> eagle3), else the draft is run as a plain draft model;
   num_speculative_tokens falls back to the draft config, else it is required.
+`eaglewire serve-check --engine sglang --engine-args ...` serves the same arguments in SGLang and reports
+what it resolved them to beside this module's prediction.
 """
 
 from __future__ import annotations
@@ -24,14 +31,19 @@ from dataclasses import dataclass, field
 
 from ..errors import UsageError
 from ..interop.serve import sglang_max_draft_tokens
+from ..interop.sglang import parse_version
 
 ENGINES = ("sglang", "vllm")
 
-# SGLang auto_choose_speculative_params: target architecture -> (steps, topk, draft tokens).
-SGLANG_AUTO = {"LlamaForCausalLM": (5, 4, 8), "DeepseekV3ForCausalLM": (3, 1, 4),
-               "DeepseekV2ForCausalLM": (3, 1, 4)}
-SGLANG_AUTO_OTHER = (5, 4, 8)
+# SGLang _auto_choose_speculative_params (speculative_hook.py:795-825): target architecture -> (steps, topk,
+# draft tokens); every architecture it does not name gets (3, 1, 4), as do the DeepSeek/GLM/... it names.
+SGLANG_AUTO = {"LlamaForCausalLM": (5, 4, 8), "Grok1ForCausalLM": (5, 4, 8), "Grok1VForCausalLM": (5, 4, 8)}
+SGLANG_AUTO_OTHER = (3, 1, 4)
 SGLANG_EAGLE3 = "EAGLE3"
+# Attention backends that run topk > 1 with page size > 1 (speculative_hook.py:666-681 `_PAGE_TREE_SPEC_BACKENDS`).
+SGLANG_PAGED_TREE = ("flashinfer", "fa3", "triton")
+SGLANG_PAGED_TREE_BEFORE = ("flashinfer", "fa3")  # before 0.5.13 (0.5.11 and 0.5.12 server_args.py)
+PAGED_TREE_TRITON_SINCE = (0, 5, 13)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,18 +130,19 @@ def _int(given: dict, name: str) -> int | None:
 
 
 def parse(engine: str, text: str, *, target_arch: str | None = None, draft_path: str | None = None,
-          draft_config: dict | None = None) -> EngineRun:
+          draft_config: dict | None = None, engine_version: str | None = None) -> EngineRun:
     """Resolve an engine command line. `target_arch` picks SGLang's auto defaults; `draft_config`
-    (the draft's config.json) supplies vLLM's fallbacks."""
+    (the draft's config.json) supplies vLLM's fallbacks; `engine_version` (SGLang; None: the latest
+    rules) picks the rules that changed between releases."""
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {ENGINES}, got {engine!r}")
     given = _tokens(text)
     if engine == "sglang":
-        return _sglang(given, target_arch, draft_path)
+        return _sglang(given, target_arch, draft_path, parse_version(engine_version))
     return _vllm(given, draft_path, draft_config or {})
 
 
-def _sglang(given: dict, target_arch: str | None, draft_path: str | None) -> EngineRun:
+def _sglang(given: dict, target_arch: str | None, draft_path: str | None, version: tuple) -> EngineRun:
     overrides: list[Override] = []
     refusals: list[str] = []
     algo = (given.get("speculative-algorithm") or "").upper() or None
@@ -151,19 +164,23 @@ def _sglang(given: dict, target_arch: str | None, draft_path: str | None) -> Eng
         else:
             auto = SGLANG_AUTO.get(target_arch or "", SGLANG_AUTO_OTHER)
             steps, topk, ndt = auto
-            who = target_arch or "an unknown target architecture (pass --target to know)"
+            who = target_arch or ("an unknown target architecture (pass --target to know: a Llama target gets "
+                                  f"{SGLANG_AUTO['LlamaForCausalLM']})")
             overrides.append(Override(setting="--speculative-num-steps/-eagle-topk/-num-draft-tokens",
                                       requested=None, used=list(auto), severity="info",
                                       why=f"SGLang auto-chooses (steps, topk, draft tokens) = {auto} for {who}"))
     backends = {given.get(k) for k in ("attention-backend", "decode-attention-backend", "prefill-attention-backend")}
     page = _int(given, "page-size") or 1
+    paged_tree = SGLANG_PAGED_TREE if version >= PAGED_TREE_TRITON_SINCE else SGLANG_PAGED_TREE_BEFORE
     if topk is not None and topk > 1:
         if "trtllm_mha" in backends:
             refusals.append(Refusal(why="the trtllm_mha attention backend only supports --speculative-eagle-topk 1",
                                     fix={"speculative-eagle-topk": 1, "speculative-num-draft-tokens": (steps or 1) + 1}))
-        elif page > 1 and given.get("attention-backend") != "flashinfer":
-            refusals.append(Refusal(why=f"--speculative-eagle-topk {topk} with --page-size {page} is refused except "
-                                    "on the flashinfer attention backend", fix={"attention-backend": "flashinfer"}))
+        elif page > 1 and given.get("attention-backend") and given["attention-backend"] not in paged_tree:
+            # unset, SGLang picks a backend for the hardware first; only a named one is known to be refused
+            refusals.append(Refusal(why=f"--speculative-eagle-topk {topk} with --page-size {page} is refused on the "
+                                    f"{given['attention-backend']} attention backend (only {', '.join(paged_tree)} run "
+                                    "it)", fix={"attention-backend": "flashinfer"}))
     most = sglang_max_draft_tokens(steps, topk) if topk and topk > 1 and steps else None
     if most is not None and ndt is not None and ndt > most:
         refusals.append(Refusal(why=f"--speculative-num-draft-tokens {ndt}: steps {steps} of topk {topk} draft at "

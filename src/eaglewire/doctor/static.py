@@ -98,6 +98,9 @@ def paired_width(ctx: Context) -> int | None:
 
 
 def check_bypass(ctx: Context) -> list[Finding]:
+    """SGLang 0.5.17: aux capture only for EAGLE3 and only when eagle_config.use_aux_hidden_state is not false
+    (model_runner_components/spec_aux_hidden_state.py:80-88); without it the draft gets the target's last hidden
+    state, and llama_eagle3.py:229 runs fc only when that width differs from the embedding's."""
     out, name = [], engine_name(ctx)
     nested = ctx.subject.dd.config.get("eagle_config")
     if ctx.engine and isinstance(nested, dict) and nested.get("use_aux_hidden_state") is False:
@@ -221,10 +224,18 @@ def check_lm_head(ctx: Context) -> list[Finding]:
             out.append(finding("LM_HEAD_REPLACED", "error", "tie_word_embeddings is true: SGLang's "
                                "LlamaForCausalLMEagle3 uses the (target's) embedding as lm_head and drops "
                                "lm_head.weight", "untie it", Remedy(config_set={"tie_word_embeddings": False})))
+        elif "draft_vocab_size" not in cfg:
+            # llama_eagle3.py:295 and :307 (0.5.17; :224, :236 in 0.5.11) read `config.draft_vocab_size`, and
+            # transformers' LlamaConfig (5.12.1, SGLang 0.5.17's pin) has no such attribute unless config.json sets it
+            out.append(finding("LM_HEAD_REPLACED", "error", "draft_vocab_size is absent: SGLang fails to build the "
+                               "draft (llama_eagle3.py reads config.draft_vocab_size, an AttributeError when "
+                               "config.json has no such key); written as null it would load the TARGET's lm_head "
+                               f"in place of the draft's own ({rows} rows)", "state the draft vocabulary size",
+                               Remedy(config_set={"draft_vocab_size": rows}) if rows else None))
         elif v.lm_head_from_target:
-            out.append(finding("LM_HEAD_REPLACED", "error", "draft_vocab_size is absent: SGLang loads the TARGET's "
+            out.append(finding("LM_HEAD_REPLACED", "error", "draft_vocab_size is null: SGLang loads the TARGET's "
                                f"lm_head (full vocabulary) in place of the draft's own ({rows} rows) "
-                               "(llama_eagle3.py load_lm_head_from_target)", "state the draft vocabulary size",
+                               "(llama_eagle3.py:295-297 load_lm_head_from_target)", "state the draft vocabulary size",
                                Remedy(config_set={"draft_vocab_size": rows}) if rows else None))
     key = "draft.draft_vocab_size" if ctx.is_native else "draft_vocab_size"
     dvs = (s.config.draft_vocab_size if ctx.is_native and s.config else None) or cfg.get("draft_vocab_size")

@@ -1,20 +1,26 @@
 """`eaglewire serve-check`: the draft served by the real engine, beside eaglewire's own decoder.
 
-    eaglewire serve-check --draft DIR --target T [--engine vllm] [--suite mt-bench|humaneval|gsm8k|arena-hard|alpaca-eval|FILE]
-        [--max-prompts N] [--max-new-tokens M] [--chain K] [--wirings] [--json OUT] [--plot OUT.png]
+    eaglewire serve-check --draft DIR --target T [--engine vllm|sglang] [--suite mt-bench|humaneval|gsm8k|arena-hard|
+        alpaca-eval|FILE] [--max-prompts N] [--max-new-tokens M] [--chain K] [--wirings] [--json OUT] [--plot OUT.png]
+        [--engine-args "SGLANG'S --speculative-* FLAGS"] [--sglang-python PY] [--sglang-path DIR]
 
 The incident eaglewire exists for was lost between training and the serving engine, so the engine's own
 counters are the ground truth here: the same prompts, greedy, batch 1, through
- (a) vLLM without the draft, (b) vLLM with it (a native draft is exported to vLLM's format first; an export
-     is served as it is), (c) eaglewire's decoder without and with it;
+ (a) the engine without the draft, (b) the engine with it (a native draft is exported to the engine's format
+     first; an export is served as it is), (c) eaglewire's decoder without and with it;
 then acceptance length, acceptance by position and tokens/s side by side, and the engine's greedy tokens with
 and without the draft compared token for token. `--wirings` serves the draft again with the tap ids of the
-doctor's main alternative wirings (every tap -1, every tap +1, and id 0 in place of the first: the embedding on
-paper, the last layer's output in vLLM 0.26.0): the engine's acceptance for each is the ground truth that
-`eaglewire doctor --probe` estimates.
+doctor's main alternative wirings, in the engine's words: the engine's acceptance for each is the ground truth
+that `eaglewire doctor --probe` estimates.
 
-Exit 1 when the two acceptance lengths differ by more than TOLERANCE, or when the engine's greedy tokens differ
-with and without the draft other than at a near-tie.
+This module is engine-neutral: what it needs of an engine (its jobs, its counters per prompt, where it reads
+tap ids, its wirings, what it says it captured) is that engine's `Serving` class, beside its boundary
+(engines/vllm.py, engines/sglang.py). `--engine-args` (SGLang) serves the draft with SGLang's own
+--speculative-num-steps / -eagle-topk / -num-draft-tokens and reports what SGLang resolved them to beside what
+`eaglewire doctor --engine-args` predicts (the seed incident's 16 draft tokens that ran as 2).
+
+Exit 1 when the two acceptance lengths differ by more than TOLERANCE; with vLLM also when its greedy tokens
+differ with and without the draft other than at a near-tie (with SGLang they are counted, not held to it).
 """
 
 from __future__ import annotations
@@ -29,11 +35,10 @@ from pathlib import Path
 from .. import checkpoint, cli_args, interop, targets
 from ..errors import UsageError
 from ..files import write_json
-from ..interop.common import IDS_KEY, PROVENANCE_KEY
+from ..interop.common import PROVENANCE_KEY
 from ..interop.serve import SpecArgs
 from ..data.suites import SUITES
-from ..taps import CONVENTIONS
-from . import vllm as engine
+from . import sglang, vllm
 
 # Both run the same draft on the same prompts greedily, but in bf16 their kernels round differently: once a
 # near-tie flips, the two continue different texts, and over 20 MT-bench prompts acceptance length moves by a
@@ -45,6 +50,24 @@ TOLERANCE = 0.05
 TIE = 0.1
 
 
+ENGINES = ("vllm", "sglang")
+SGLANG_SPEC_FLAGS = {"speculative-num-steps": "num_steps", "speculative-eagle-topk": "eagle_topk",
+                     "speculative-num-draft-tokens": "num_draft_tokens"}
+
+
+def serving(name: str, *, memory: float | None = None, sglang_python: str | None = None,
+            sglang_path: str | None = None, spec: dict | None = None):
+    """The engine's serve-check class: vllm.Serving or sglang.Serving. `memory`: the share of the GPU's memory
+    (vLLM's gpu_memory_utilization, SGLang's mem_fraction_static); `spec`: SGLang's speculative arguments."""
+    if name == "vllm":
+        if sglang_python or sglang_path or spec:
+            raise UsageError("--engine-args, --sglang-python and --sglang-path are for --engine sglang")
+        return vllm.Serving(memory)
+    if name == "sglang":
+        return sglang.Serving(memory, sglang.locate(sglang_python, sglang_path), spec)
+    raise UsageError(f"--engine {name!r}: one of {', '.join(ENGINES)}")
+
+
 @dataclass(frozen=True)
 class Prepared:
     engine_dir: Path  # what the engine loads
@@ -52,56 +75,81 @@ class Prepared:
     taps: tuple[int, ...]  # what the engine captures for it
     num_layers: int
     how: str
+    model_type: str | None = None
+    ids: list[int] | None = None  # the ids written where the engine reads them
 
 
-def prepare_draft(draft, target_spec: str, work: Path, chain: int) -> Prepared:
-    """A native checkpoint exported to vLLM's format in `work`; an engine export served as it is and imported
-    for our decoder."""
+def prepare_draft(draft, target_spec: str, work: Path, chain: int, engine=None) -> Prepared:
+    """A native checkpoint exported to the engine's format (vLLM's unless `engine`, a Serving, says otherwise) in
+    `work`; an engine export served as it is and imported for our decoder."""
+    engine = engine or vllm.Serving()
     d = Path(draft)
     if not (d / "config.json").is_file():
-        raise UsageError(f"--draft {d}: no config.json (a native checkpoint or a vLLM-format export)")
+        raise UsageError(f"--draft {d}: no config.json (a native checkpoint or a {engine.label}-format export)")
     info = interop.load_target_info(target_spec)
     N = info.num_layers
+    model_type = getattr(targets.config_of(target_spec), "model_type", None)
     if json.loads((d / "config.json").read_text()).get("format") == checkpoint.FORMAT:
-        out = work / "vllm"
-        interop.export_draft(d, "vllm", out, spec=SpecArgs(num_steps=chain))
-        engine_dir, native, how = out, d, "exported to vLLM's format"
+        out = work / engine.name
+        interop.export_draft(d, engine.name, out, engine_version=engine.export_version, spec=SpecArgs(num_steps=chain))
+        engine_dir, native, how = out, d, f"exported to {engine.label}'s format"
     else:
         native, _ = interop.import_draft(d, work / "native", target=info)
         engine_dir, how = d, "served as it is"
-    view = interop.read_engine_view(engine_dir, "vllm", num_layers=N)
+    view = interop.read_engine_view(engine_dir, engine.name, engine.export_version, model_type=model_type,
+                                    num_layers=N)
     if not view.recognised or view.captured_taps is None:
-        raise UsageError(f"--draft {d}: vLLM cannot serve it as written ({'; '.join(view.problems) or 'no taps'}): "
-                         f"run `eaglewire doctor --draft {d} --engine vllm`")
-    return Prepared(engine_dir, Path(native), tuple(view.captured_taps), N, how)
+        raise UsageError(f"--draft {d}: {engine.label} cannot serve it as written "
+                         f"({'; '.join(view.problems) or 'no taps'}): run `eaglewire doctor --draft {d} "
+                         f"--engine {engine.name}`")
+    return Prepared(engine_dir, Path(native), tuple(view.captured_taps), N, how, model_type, view.ids)
 
 
-def wirings(taps: tuple[int, ...], num_layers: int) -> list[tuple[str, list[int]]]:
-    """(label, vLLM ids) of the doctor's main alternatives: every tap -1 and +1, and id 0 for the first tap, the
-    embedding on paper. vLLM 0.26.0 feeds the last layer's output at id 0 (taps._VLLM_ID0), so that row measures
-    what a checkpoint asking for the embedding really gets."""
-    from ..doctor.probe import candidates
-
-    conv = CONVENTIONS["vllm"]
-    out = [(w.label, conv.to_ids(w.sources, num_layers)) for w in candidates(taps, None, num_layers)
-           if w.label in ("every tap -1", "every tap +1") and w.plain and min(w.sources) >= 1]
-    if taps[0] > 0:
-        out.append((f"id 0 for tap {taps[0]}: the embedding on paper, the last layer's output in vLLM",
-                    [0] + conv.to_ids(taps[1:], num_layers)))
-    return out
-
-
-def with_ids(engine_dir: Path, ids, out: Path) -> Path:
-    """A copy of an engine directory whose top-level ids are `ids` (vLLM's words); weights linked."""
+def served_copy(engine_dir: Path, edit, out: Path) -> Path:
+    """A copy of an engine directory whose config.json `edit` (a function of the config dict) changed, without the
+    export record (it would contradict the edit); weights linked."""
     out.mkdir(parents=True)
     for f in engine_dir.iterdir():
         if f.is_file() and f.name != "config.json":
             (out / f.name).symlink_to(f.resolve())
     cfg = json.loads((engine_dir / "config.json").read_text())
-    cfg[IDS_KEY] = [int(i) for i in ids]
-    cfg.pop(PROVENANCE_KEY, None)  # the record would contradict the ids written here
+    edit(cfg)
+    cfg.pop(PROVENANCE_KEY, None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def with_ids(engine_dir: Path, ids, out: Path) -> Path:
+    """A copy of a vLLM-format directory whose top-level ids are `ids` (vLLM's words); weights linked."""
+    from ..interop.common import IDS_KEY
+
+    return served_copy(engine_dir, lambda cfg: cfg.__setitem__(IDS_KEY, [int(i) for i in ids]), out)
+
+
+def speculative_args(engine_name: str, text: str | None, target: str) -> tuple[dict | None, object]:
+    """`--engine-args` for SGLang: (the speculative arguments as asked, the doctor's resolution of them: an
+    engine_args.EngineRun). Only SGLang's three --speculative-* shape flags are passed on; a combination SGLang
+    refuses, or a tree, is a usage error (serve-check compares chains)."""
+    if not text:
+        return None, None
+    if engine_name != "sglang":
+        raise UsageError("--engine-args: serve-check passes SGLang's --speculative-* flags; vLLM drafts --chain K")
+    from ..doctor import engine_args as ea
+
+    arch = (getattr(targets.config_of(target), "architectures", None) or [None])[0]
+    run = ea.parse("sglang", "--speculative-algorithm EAGLE3 " + text, target_arch=arch)
+    extra = sorted(k for k in run.given if k not in SGLANG_SPEC_FLAGS and k != "speculative-algorithm"
+                   and not k.startswith("__"))
+    if extra or run.given.get("__positional__") or run.algorithm != ea.SGLANG_EAGLE3:
+        flags = ", ".join("--" + k for k in SGLANG_SPEC_FLAGS)
+        raise UsageError(f"--engine-args {text!r}: serve-check passes only {flags} to SGLang (EAGLE3)")
+    if run.refusals:
+        raise UsageError(f"--engine-args {text!r}: SGLang would refuse to start: {run.refusals[0].why}")
+    if run.topk != 1:
+        raise UsageError(f"--engine-args {text!r}: SGLang would draft a tree (topk {run.topk}); serve-check compares "
+                         "chains: pass --speculative-eagle-topk 1")
+    spec = {field: int(run.given[flag]) for flag, field in SGLANG_SPEC_FLAGS.items() if run.given.get(flag)}
+    return spec, run
 
 
 # --- figures (pure) -----------------------------------------------------------------------------------
@@ -150,9 +198,10 @@ def agreement(ours: list[dict], theirs: list[dict]) -> dict:
     return {**d, "tolerance": TOLERANCE, "agree": abs(d["relative"]) <= TOLERANCE}
 
 
-def greedy_identity(plain: list[dict], spec: list[dict]) -> dict:
+def greedy_identity(plain: list[dict], spec: list[dict], must_match: bool = True) -> dict:
     """The engine's greedy tokens without and with the draft, prompt by prompt: a divergence at a near-tie
-    (top-2 gap < TIE in the run without the draft) is reported, any other fails."""
+    (top-2 gap < TIE in the run without the draft) is reported; any other fails the check when `must_match`
+    (the engine's Serving.greedy_must_match), and is counted either way."""
     from ..bench.run import first_divergence
 
     ties, faults = [], []
@@ -165,14 +214,19 @@ def greedy_identity(plain: list[dict], spec: list[dict]) -> dict:
         row = {"prompt": i, "position": at, "top2_gap": gap}
         (ties if gap is not None and gap < TIE else faults).append(row)
     return {"prompts": len(plain), "identical": len(plain) - len(ties) - len(faults), "near_ties": ties,
-            "mismatches": faults, "ok": not faults}
+            "mismatches": faults, "must_match": must_match, "ok": not faults or not must_match}
+
+
+def engine_rows(result: dict) -> list[dict]:
+    """Per-prompt counters of a vLLM job (benchmarks/capture_engines.py); other engines: their Serving.rows."""
+    return vllm.Serving.rows(result, 0)
 
 
 # --- the runs -----------------------------------------------------------------------------------------
 
 def ours(target, native: Path, suite: str, max_prompts, max_new_tokens: int, chain: int, device, log) -> dict:
     """eaglewire's decoder without and with the draft on the suite, batch 1, bench's settings: per prompt the
-    same counters the engine reports."""
+    same counters the engine reports, and the prompts' token ids (what the engine is given too)."""
     from ..bench import run as bench
 
     cfg = bench.BenchConfig(suite=suite, max_prompts=max_prompts, max_new_tokens=max_new_tokens, chain=chain,
@@ -185,71 +239,96 @@ def ours(target, native: Path, suite: str, max_prompts, max_new_tokens: int, cha
                  "accepted_per_pos": [sum(a > i for a in (g.accepted or [])) for i in range(chain)]}
                 for g in gens[k]] for k in gens}
     return {"suite": sp, "conversations": sp.conversations, "dtype": str(dtype).removeprefix("torch."),
-            "prompt_tokens": [int(p.shape[1]) for p in prompts], "base": rows["base"], "spec": rows["spec"],
-            "names": {k: r[0] for k, r in runs.items()}}
-
-
-def engine_rows(result: dict) -> list[dict]:
-    return [{"tokens": len(p["tokens"]), "seconds": p["seconds"], **p["counters"]} for p in result["prompts"]]
+            "prompt_tokens": [int(p.shape[1]) for p in prompts], "input_ids": [p[0].tolist() for p in prompts],
+            "base": rows["base"], "spec": rows["spec"], "names": {k: r[0] for k, r in runs.items()}}
 
 
 def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "mt-bench", max_prompts=20,
-                max_new_tokens: int = 256, chain: int = 7, with_wirings: bool = False, device=None,
-                gpu_memory_utilization: float | None = None, log=None, work=None) -> dict:
-    """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0)."""
-    if engine_name != "vllm":
-        raise UsageError(f"--engine {engine_name}: serve-check runs vllm (SGLang is not staged here)")
-    engine.require()
+                max_new_tokens: int = 256, chain: int | None = None, with_wirings: bool = False, device=None,
+                gpu_memory_utilization: float | None = None, engine_args: str | None = None,
+                sglang_python: str | None = None, sglang_path: str | None = None, eager: bool = False, log=None,
+                work=None) -> dict:
+    """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0). chain: draft
+    tokens a step (default 7; with SGLang `engine_args`, the steps they resolve to). eager: no CUDA graphs in the
+    engine's timed runs either (the wirings always run eager)."""
+    spec, asked = speculative_args(engine_name, engine_args, target)
+    if asked is not None:
+        if chain is not None and chain != asked.num_steps:
+            raise UsageError(f"--chain {chain} and --engine-args (SGLang drafts {asked.num_steps} a step): give one")
+        chain = asked.num_steps
+    chain = 7 if chain is None else chain
+    eng = serving(engine_name, memory=gpu_memory_utilization, sglang_python=sglang_python, sglang_path=sglang_path,
+                  spec=spec)
+    found = eng.require()
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    if eng.name == "sglang" and found != sglang.VERSION:
+        log(f"eaglewire serve-check: SGLang {found} here; eaglewire's SGLang rules were read from {sglang.VERSION}")
     path = targets.resolve(target)
     if path.suffix == ".gguf":
-        raise UsageError(f"--target {target}: vLLM serves Hugging Face model directories; `eaglewire prepare` "
+        raise UsageError(f"--target {target}: {eng.label} serves Hugging Face model directories; `eaglewire prepare` "
                          "writes one for a registry target, or pass a model directory")
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="eaglewire-serve-check-")) if own else Path(work)
     try:
-        p = prepare_draft(draft, target, work, chain)
-        log(f"eaglewire serve-check: the draft {p.how}; vLLM will capture taps {list(p.taps)}")
+        p = prepare_draft(draft, target, work, chain, eng)
+        log(f"eaglewire serve-check: the draft {p.how}; {eng.label} will capture taps {list(p.taps)}")
         mine = ours(target, p.native, suite, max_prompts, max_new_tokens, chain, device, log)
-        convs = mine["conversations"]
-        job = dict(target=str(path), conversations=convs, max_new_tokens=max_new_tokens,
-                   num_speculative_tokens=chain, **engine.memory_share(gpu_memory_utilization))
-        log("eaglewire serve-check: vLLM without the draft")
-        plain = engine.run_job(engine.Job(draft=None, logprobs=2, **job))
-        log("eaglewire serve-check: vLLM with the draft")
-        spec = engine.run_job(engine.Job(draft=str(p.engine_dir), **job))
+        job = dict(conversations=mine["conversations"], input_ids=mine["input_ids"], max_new_tokens=max_new_tokens,
+                   chain=chain)
+        log(f"eaglewire serve-check: {eng.label} without the draft")
+        plain = eng.run(str(path), gaps=True, eager=eager, **job)
+        log(f"eaglewire serve-check: {eng.label} with the draft")
+        spec_r = eng.run(str(path), draft=str(p.engine_dir), eager=eager, **job)
         alts = []
-        for label, ids in (wirings(p.taps, p.num_layers) if with_wirings else []):
-            d = with_ids(p.engine_dir, ids, work / f"wiring-{'-'.join(map(str, ids))}")
-            log(f"eaglewire serve-check: vLLM with the draft given ids {ids} ({label})")
-            r = engine.run_job(engine.Job(draft=str(d), enforce_eager=True, **job))
-            alts.append({"label": label, "ids": ids, "aux_layers": r["aux_layers"], "per_prompt": engine_rows(r),
-                         **counts(engine_rows(r), chain)})
-        return result(p, mine, plain, spec, alts, chain, max_new_tokens, target)
+        for k, w in enumerate(eng.wirings(p.taps, p.num_layers, p.model_type) if with_wirings else []):
+            d = served_copy(p.engine_dir, w.pop("edit"), work / f"wiring-{k}")
+            log(f"eaglewire serve-check: {eng.label} with the draft given ids {w['ids']} ({w['label']})")
+            r = eng.run(str(path), draft=str(d), eager=True, **job)
+            rows = eng.rows(r, chain)
+            alts.append({**w, "captured": eng.captured(r), "per_prompt": rows, **counts(rows, chain)})
+        r = result(eng, p, mine, plain, spec_r, alts, chain, max_new_tokens, target,
+                   _asked(asked, eng.speculation(spec_r), engine_args) if asked is not None else None)
+        r["settings"]["engine_cuda_graphs"] = not eager
+        return r
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def result(p: Prepared, mine: dict, plain: dict, spec: dict, alts: list, chain: int, max_new_tokens: int,
-           target) -> dict:
-    e_plain, e_spec = engine_rows(plain), engine_rows(spec)
+def _asked(run, resolved: dict | None, text: str) -> dict:
+    """--engine-args: what was asked, what `eaglewire doctor` predicts SGLang runs, what SGLang resolved."""
+    predicted = {"num_steps": run.num_steps, "eagle_topk": run.topk, "num_draft_tokens": run.num_draft_tokens}
+    got = {k: (resolved or {}).get(k) for k in predicted}
+    return {"text": text, "requested": {f: run.given.get(flag) for flag, f in SGLANG_SPEC_FLAGS.items()},
+            "doctor": {**predicted, "overrides": [f"{o.setting}: {o.why}" for o in run.overrides]},
+            "doctor_agrees": predicted == got}
+
+
+def result(eng, p: Prepared, mine: dict, plain: dict, spec: dict, alts: list, chain: int, max_new_tokens: int,
+           target, asked: dict | None = None) -> dict:
+    e_plain, e_spec = eng.rows(plain, chain), eng.rows(spec, chain)
     agree = agreement(mine["spec"], e_spec)
     for alt, d in zip(alts, against(e_spec, [a["per_prompt"] for a in alts])):
-        alt["vs_draft_ids"] = d  # paired over the same prompts: the engine's greedy text is the same for each
-    same = greedy_identity(plain["prompts"], spec["prompts"])
-    seen = spec.get("aux_layers")
-    wired = seen is None or tuple(seen["ids"]) == p.taps
+        alt["vs_draft_ids"] = d  # paired over the same prompts (each wiring's own greedy text)
+    same = greedy_identity([{"tokens": t, "gaps": g} for t, g in zip(eng.tokens(plain), eng.gaps(plain))],
+                           [{"tokens": t} for t in eng.tokens(spec)], eng.greedy_must_match)
+    seen = eng.captured(spec)
+    wired = seen is None or tuple(seen["taps"]) == p.taps
+    speculation = eng.speculation(spec)
     return {
-        "eaglewire_serve_check": 1, "engine": "vllm", "engine_version": spec.get("vllm_version"),
-        "target": target, "suite": mine["suite"].summary(), "draft": {"served": str(p.engine_dir), "how": p.how,
-                                                                     "taps": list(p.taps)},
+        "eaglewire_serve_check": 1, "engine": eng.name, "engine_label": eng.label,
+        "engine_version": eng.version(spec), "target": target, "suite": mine["suite"].summary(),
+        "draft": {"served": str(p.engine_dir), "how": p.how, "taps": list(p.taps), "ids": p.ids},
         "settings": {"chain": chain, "max_new_tokens": max_new_tokens, "dtype": mine["dtype"], "batch": 1,
                      "greedy": True},
         "engine_aux_layers": seen,
         "ours": {**counts(mine["spec"], chain), "tokens_per_s": speed(mine["spec"]),
                  "tokens_per_s_without": speed(mine["base"]), "name": mine["names"]["spec"]},
-        "vllm": {**counts(e_spec, chain), "tokens_per_s": speed(e_spec), "tokens_per_s_without": speed(e_plain)},
+        eng.name: {**counts(e_spec, chain), "tokens_per_s": speed(e_spec), "tokens_per_s_without": speed(e_plain),
+                   **({"reported_accept_length": sglang.counts(spec, chain)["reported_accept_length"]}
+                      if eng.name == "sglang" else {})},
+        "speculation": speculation,
+        "engine_args": asked,
         "agreement": agree, "greedy": same, "wirings": alts,
         "ok": agree["agree"] and same["ok"] and wired,
     }
@@ -258,14 +337,17 @@ def result(p: Prepared, mine: dict, plain: dict, spec: dict, alts: list, chain: 
 # --- the report -----------------------------------------------------------------------------------------
 
 def render(r: dict) -> str:
-    o, v, a, g = r["ours"], r["vllm"], r["agreement"], r["greedy"]
+    o, v, a, g = r["ours"], r[r["engine"]], r["agreement"], r["greedy"]
+    E = r.get("engine_label") or r["engine"]
     f = lambda x, fmt=".2f": "-" if x is None else format(x, fmt)  # noqa: E731
+    seen = r["engine_aux_layers"]
     lines = [f"eaglewire serve-check  {r['suite']['name']} ({r['suite']['prompts']} prompts)  target {r['target']}  "
-             f"vLLM {r['engine_version']}  greedy, batch 1, chain of {r['settings']['chain']}",
-             f"  draft {r['draft']['how']}: taps {r['draft']['taps']}; vLLM said it captures "
-             + (f"{r['engine_aux_layers']['ids']} (from its {r['engine_aux_layers']['from']})"
-                if r["engine_aux_layers"] else "(no log line found)"), "",
-             f"  {'':<28}{'eaglewire':>12}{'vLLM':>12}",
+             f"{E} {r['engine_version']}  greedy, batch 1, chain of {r['settings']['chain']}",
+             f"  draft {r['draft']['how']}: taps {r['draft']['taps']}; {E} "
+             + (f"captured taps {seen['taps']} (its {seen['from']})" if seen else
+                "said nothing of the taps it captured" + (" (its forward hook fires on eager forwards only)"
+                                                          if r["engine"] == "sglang" else " (no log line found)")),
+             "", f"  {'':<28}{'eaglewire':>12}{E:>12}",
              f"  {'acceptance length':<28}{f(o['acceptance_length']):>12}{f(v['acceptance_length']):>12}",
              f"  {'verification steps':<28}{o['drafts']:>12}{v['drafts']:>12}"]
     for i, (x, y) in enumerate(zip(o["rate_by_position"], v["rate_by_position"])):
@@ -273,50 +355,72 @@ def render(r: dict) -> str:
     lines += [f"  {'tokens/s with the draft':<28}{f(o['tokens_per_s'], '.1f'):>12}{f(v['tokens_per_s'], '.1f'):>12}",
               f"  {'tokens/s without':<28}{f(o['tokens_per_s_without'], '.1f'):>12}"
               f"{f(v['tokens_per_s_without'], '.1f'):>12}", ""]
-    lines.append(f"acceptance length: eaglewire {a['difference']:+.3f} against vLLM ({100 * a['relative']:+.1f}%, "
+    if v.get("reported_accept_length") is not None:
+        lines.append(f"SGLang's own spec_accept_length: {v['reported_accept_length']:.2f} (completion tokens / verify "
+                     "steps: it counts the token the prefill wrote too)")
+    lines.append(f"acceptance length: eaglewire {a['difference']:+.3f} against {E} ({100 * a['relative']:+.1f}%, "
                  f"interval {a['interval'][0]:+.3f}..{a['interval'][1]:+.3f} paired over prompts): "
                  + ("within" if a["agree"] else "BEYOND") + f" the tolerance of {100 * a['tolerance']:.0f}%")
-    lines.append(f"vLLM's greedy tokens with and without the draft: {g['identical']} of {g['prompts']} prompts "
+    bad = "MISMATCH" if g["must_match"] else "differ"
+    lines.append(f"{E}'s greedy tokens with and without the draft: {g['identical']} of {g['prompts']} prompts "
                  f"identical" + (f", {len(g['near_ties'])} diverge at a near-tie" if g["near_ties"] else "")
-                 + (f", {len(g['mismatches'])} MISMATCH (first: prompt {g['mismatches'][0]['prompt']} position "
-                    f"{g['mismatches'][0]['position']})" if g["mismatches"] else ""))
-    seen = r["engine_aux_layers"]
-    if seen and seen["ids"] != r["draft"]["taps"]:
-        lines.append(f"vLLM captured taps {seen['ids']}, not {r['draft']['taps']}: run `eaglewire doctor`")
+                 + (f", {len(g['mismatches'])} {bad} (first: prompt {g['mismatches'][0]['prompt']} position "
+                    f"{g['mismatches'][0]['position']})" if g["mismatches"] else "")
+                 + ("" if g["must_match"] else " (counted, not held to identity for this engine)"))
+    if seen and seen["taps"] != r["draft"]["taps"]:
+        lines.append(f"{E} captured taps {seen['taps']}, not {r['draft']['taps']}: run `eaglewire doctor`")
+    sp, ask = r.get("speculation"), r.get("engine_args")
+    if sp:
+        lines.append(f"{E} resolved: steps {sp['num_steps']}, topk {sp['eagle_topk']}, draft tokens "
+                     f"{sp['num_draft_tokens']}; its counters: {sp['verify_steps']} verify steps, "
+                     f"{f(sp['proposed_per_step'])} draft tokens proposed a step")
+    if ask:
+        d = ask["doctor"]
+        lines.append(f"--engine-args {ask['text']!r}: `eaglewire doctor` predicts steps {d['num_steps']}, topk "
+                     f"{d['eagle_topk']}, draft tokens {d['num_draft_tokens']}: "
+                     + ("as SGLang resolved" if ask["doctor_agrees"] else "NOT what SGLang resolved"))
+        lines += [f"  doctor: {x}" for x in d["overrides"]]
     if r["wirings"]:
         lines += ["", "the engine's acceptance with other ids (what `eaglewire doctor --probe` estimates; the difference "
                   "with its simultaneous 95% interval, paired over prompts):",
-                  f"  {'vLLM ids':<16}{'accept-len':>12}  {'difference':<26}what"]
-        lines.append(f"  {str(r['draft']['taps']):<16}{f(v['acceptance_length']):>12}  {'':<26}the draft's ids")
+                  f"  {E + ' ids':<16}{'captures':<16}{'seen':<16}{'accept-len':>10}  {'difference':<26}what"]
+        saw = seen["taps"] if seen else "-"
+        lines.append(f"  {str(r['draft'].get('ids') or '-'):<16}{str(r['draft']['taps']):<16}{str(saw):<16}"
+                     f"{f(v['acceptance_length']):>10}  {'':<26}the draft's ids")
         for w in r["wirings"]:
-            d = w["vs_draft_ids"]
-            diff = f"{d['difference']:+.2f} ({d['interval'][0]:+.2f}..{d['interval'][1]:+.2f})"
-            lines.append(f"  {str(w['ids']):<16}{f(w['acceptance_length']):>12}  {diff:<26}{w['label']}")
+            dd = w["vs_draft_ids"]
+            diff = f"{dd['difference']:+.2f} ({dd['interval'][0]:+.2f}..{dd['interval'][1]:+.2f})"
+            saw = w["captured"]["taps"] if w.get("captured") else "-"
+            lines.append(f"  {str(w['ids'] if w['ids'] is not None else 'not read'):<16}"
+                         f"{str(w['taps'] if w['taps'] is not None else '-'):<16}{str(saw):<16}"
+                         f"{f(w['acceptance_length']):>10}  {diff:<26}{w['label']}")
     lines += ["", "ok" if r["ok"] else "NOT OK: see above"]
     return "\n".join(lines)
 
 
 def plot(r: dict, out) -> Path:
-    """PNG: acceptance by draft position, eaglewire against vLLM, and the wirings' acceptance lengths."""
+    """PNG: acceptance by draft position, eaglewire against the engine, and the wirings' acceptance lengths."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    o, v = r["ours"]["rate_by_position"], r["vllm"]["rate_by_position"]
+    E = r.get("engine_label") or r["engine"]
+    o, v = r["ours"]["rate_by_position"], r[r["engine"]]["rate_by_position"]
     x = list(range(1, len(o) + 1))
     fig = Figure(figsize=(10.5 if r["wirings"] else 6, 3.6), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 2, 1) if r["wirings"] else fig.add_subplot()
     ax.bar([i - 0.2 for i in x], o, width=0.4, color="#4477aa", label=f"eaglewire ({r['ours']['acceptance_length']:.2f})")
-    ax.bar([i + 0.2 for i in x], v, width=0.4, color="#ee6677", label=f"vLLM ({r['vllm']['acceptance_length']:.2f})")
+    ax.bar([i + 0.2 for i in x], v, width=0.4, color="#ee6677",
+           label=f"{E} ({r[r['engine']]['acceptance_length'] or 0:.2f})")
     ax.set(xlabel="draft position", ylabel="accepted (share of steps)", ylim=(0, 1.05), xticks=x,
            title=f"{r['suite']['name']}: acceptance by position")
     ax.legend(fontsize=8)
     if r["wirings"]:
         bx = fig.add_subplot(1, 2, 2)
-        rows = [(str(r["draft"]["taps"]), r["vllm"]["acceptance_length"])] + \
-            [(f"{w['ids']} {w['label'].split(':')[0]}", w["acceptance_length"]) for w in r["wirings"]]
+        rows = [(str(r["draft"]["taps"]), r[r["engine"]]["acceptance_length"])] + \
+            [(f"{w['ids']} {w['label'].split(':')[0].split(' (')[0]}", w["acceptance_length"]) for w in r["wirings"]]
         bx.barh([a for a, _ in rows][::-1], [b or 0 for _, b in rows][::-1], color="#228833")
-        bx.set(xlabel="vLLM acceptance length", title="other ids")
+        bx.set(xlabel=f"{E} acceptance length", title="other ids")
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -327,7 +431,9 @@ def plot(r: dict, out) -> Path:
 def cmd_serve_check(args) -> int:
     r = serve_check(args.draft, args.target, engine_name=args.engine, suite=args.suite, max_prompts=args.max_prompts,
                     max_new_tokens=args.max_new_tokens, chain=args.chain, with_wirings=args.wirings,
-                    device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)
+                    device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
+                    engine_args=args.engine_args, sglang_python=args.sglang_python, sglang_path=args.sglang_path,
+                    eager=args.eager)
     print(render(r))
     if args.json:
         write_json(args.json, r)
@@ -337,20 +443,31 @@ def cmd_serve_check(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve-check", help="serve the draft in the real engine (vLLM) beside eaglewire's decoder: "
-                       "acceptance, greedy identity, tap wirings")
-    cli_args.add_draft(p, required=True, help="native checkpoint (exported for the engine) or a vLLM export")
+    p = sub.add_parser("serve-check", help="serve the draft in the real engine (vLLM or SGLang) beside eaglewire's "
+                       "decoder: acceptance, greedy identity, tap wirings")
+    cli_args.add_draft(p, required=True, help="native checkpoint (exported for the engine) or an engine export")
     cli_args.add_target(p, help="registry name or Hugging Face model directory")
-    p.add_argument("--engine", default="vllm", choices=["vllm"])
+    p.add_argument("--engine", default="vllm", choices=list(ENGINES))
     cli_args.add_suite(p, default="mt-bench", help=f"{', '.join(SUITES)} or a prompt FILE")
     p.add_argument("--max-prompts", type=int, default=20, metavar="N")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="M")
-    p.add_argument("--chain", type=int, default=7, metavar="K", help="draft tokens a step (default 7)")
+    p.add_argument("--chain", type=int, default=None, metavar="K", help="draft tokens a step (default 7)")
     p.add_argument("--wirings", action="store_true",
-                   help="serve again with every id -1, every id +1, and id 0 in place of the first (the embedding on "
-                        "paper; vLLM feeds the last layer's output there)")
+                   help="serve again with other tap ids: vLLM every id -1 and +1 and id 0 in place of the first; "
+                        "SGLang every nested id +1 and -1 and the nested key misspelled (its default taps)")
+    p.add_argument("--engine-args", default=None, metavar='"ARGS"',
+                   help="SGLang: its --speculative-num-steps/-eagle-topk/-num-draft-tokens as on its command line, "
+                        "served as they are; the report says what SGLang resolved them to")
+    p.add_argument("--sglang-python", default=None, metavar="PY",
+                   help=f"the Python of a venv with {sglang.REQUIREMENT} (default ${sglang.PYTHON_ENV}, else this one)")
+    p.add_argument("--sglang-path", default=None, metavar="DIR",
+                   help=f"folders put first on that Python's path, where SGLang's wheels were unpacked (default "
+                        f"${sglang.PATH_ENV})")
+    p.add_argument("--eager", action="store_true",
+                   help="the engine's timed runs without CUDA graphs too (starts faster; tokens/s then not as served)")
     cli_args.add_device(p, help="where eaglewire's decoder runs (default: cuda if available)")
-    cli_args.add_gpu_memory(p, help="the share of the GPU's memory vLLM takes (default 0.5)")
+    cli_args.add_gpu_memory(p, help="the share of the GPU's memory the engine takes (vLLM's gpu_memory_utilization, "
+                            "default 0.5; SGLang's mem_fraction_static, default 0.5)")
     p.add_argument("--json", default=None, metavar="OUT")
     p.add_argument("--plot", default=None, metavar="OUT.png")
     p.set_defaults(func=cmd_serve_check)

@@ -67,7 +67,8 @@ def sglang_text(out: str, ids: list[int], convention: str, contract: TapContract
              "", "Notes:",
              f"- topk {args.topk}, steps {args.num_steps}, draft tokens {args.draft_tokens}: "
              + ("a chain; SGLang would force draft tokens to steps + 1 anyway." if args.topk == 1 else
-                "a tree; most attention backends refuse topk > 1 with --page-size > 1."),
+                "a tree; with --page-size > 1 SGLang runs it only on the flashinfer, fa3 or triton attention "
+                "backend (triton from 0.5.13)."),
              "- `embed_tokens.weight` is included so the directory is self-contained; SGLang uses the target's.",
              *[f"- {n}" for n in notes], ""]
     return "\n".join(lines)

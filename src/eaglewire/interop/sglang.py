@@ -1,21 +1,27 @@
 """SGLang's EAGLE-3 draft format (`LlamaForCausalLMEagle3`): rules by version, export, reading.
 
-Rules read from the sglang wheels' source (sglang/srt/...), per release:
-- models/llama_eagle3.py `load_weights`: names not in the model's parameters are silently
-  dropped; `d2t` becomes hot_token_id (target = draft + d2t), `t2d` is skipped. Before 0.5.12 the
-  first layer is the attribute `midlayer` (so `layers.0.*` is dropped) and fc is `hidden_size_in * 3`
-  wide; from 0.5.12 a legacy map renames `midlayer` -> `layers.0`, fc width follows the number of
-  nested layer ids, layers >= 1 carry their pre-attention norm as `hidden_norm`, and `fc_norm`
-  (per-tap norms) and `norm_output` (feed the post-norm state to the next step) are read; from
-  0.5.17 `norm_before_fc` (one norm over the concatenated taps, `input_norm.weight`).
-  The first layer's residual is always the raw fc output: norm_before_residual is hard-coded False.
-  `tie_word_embeddings` makes lm_head the embedding; draft_vocab_size None loads the target's lm_head.
-- model_executor/model_runner.py (0.5.23: model_runner_components/spec_aux_hidden_state.py): the
-  ids are read ONLY from the nested `eagle_config`, inside a try/except that falls back to None
-  (= the model's default taps) on any error.
-- models/llama.py, qwen2.py, qwen3.py, glm4_moe.py `set_eagle3_layers_to_capture`: None ->
-  [2, N//2, N-3] used as-is; explicit ids -> `val + 1`. models/deepseek_v2.py (and glm4_moe_lite.py):
-  the same before 0.5.13; from 0.5.13 (PR #25454) +1 only when ids[0] == 1.
+Rules read from the sglang wheels' source (sglang/srt/...), per release; lines are 0.5.17's, the release
+`eaglewire serve-check --engine sglang` runs (engines/sglang.py):
+- models/llama_eagle3.py `load_weights` (:314-367): names not in the model's parameters are silently
+  dropped (:359-367); `d2t` becomes hot_token_id (target = draft + d2t, :339-342), `t2d` is skipped
+  (:344-345). Before 0.5.12 the first layer is the attribute `midlayer` (so `layers.0.*` is dropped) and fc
+  is `hidden_size_in * 3` wide; from 0.5.12 a legacy map renames `midlayer` -> `layers.0` (:327-337), fc
+  width is `num_aux_hidden_states` taps if set, else the nested ids' count, else 3 (:148-153), layers >= 1
+  carry their pre-attention norm as `hidden_norm` (:78, :95-97), and `fc_norm` (per-tap norms, :177-189) and
+  `norm_output` (feed the post-norm state to the next step, :198) are read; from 0.5.17 `norm_before_fc`
+  (one norm over the concatenated taps, `input_norm.weight`, :162-175). fc runs only when the hidden
+  state is not already draft-wide (:229). The first layer's residual is always the raw fc output
+  (:89-91): norm_before_residual is hard-coded False. `tie_word_embeddings` makes lm_head the embedding
+  (:292-293); draft_vocab_size null loads the target's lm_head, absent it is an AttributeError (:295-307).
+- model_runner_components/spec_aux_hidden_state.py:80-94 (0.5.17; model_runner.py before): the ids are
+  read ONLY from the nested `eagle_config`, inside a bare `except:` that falls back to None (= the model's
+  default taps) on any error; `use_aux_hidden_state` is read there too (:86-88). A top-level key only sizes
+  the draft's input (speculative/eagle_utils.py:472-477).
+- models/llama.py:885-897, qwen2.py:747-760, qwen3.py:688-701, glm4_moe.py:1446-1458
+  `set_eagle3_layers_to_capture`: None -> [2, N//2, N-3] used as-is; explicit ids -> `val + 1`; the
+  capture at layer i is `hidden_states + residual` entering it (llama.py:434-437). models/deepseek_v2.py
+  (:3134-3149) and glm4_moe_lite.py (:1013-1028): the same before 0.5.13; from 0.5.13 (PR #25454) +1 only
+  when ids[0] == 1.
 The index rules themselves live in eaglewire.taps (sglang_convention); this module only picks one.
 """
 
@@ -201,7 +207,10 @@ def engine_view(dd: DraftDir, version: str | None, model_type: str | None, num_l
                             CONVENTIONS[conv or "sglang"].from_ids(ids, num_layers))
         except TapError as e:
             problems.append(f"eagle_config.{IDS_KEY} {ids}: {e}")
-    num_aux = (len(ids) if ids else 3) if v >= LAYERS_RENAME_SINCE else 3
+    # llama_eagle3.py:148-153 (0.5.12 on): num_aux_hidden_states if set, else the nested ids' count, else 3
+    num_aux = 3
+    if v >= LAYERS_RENAME_SINCE:
+        num_aux = int(cfg.get("num_aux_hidden_states") or 0) or (len(ids) if ids else 3)
     params = _params(cfg, num_aux, v)
     kept, dropped = {}, []
     for name in sorted(dd.names):
@@ -227,7 +236,9 @@ def engine_view(dd: DraftDir, version: str | None, model_type: str | None, num_l
                       fc_in_features=int(fc.shape[1]) if fc is not None else None, target_hidden_size=target_hidden,
                       weights_kept=kept, weights_dropped=dropped, weights_missing=missing,
                       draft_vocab_size=cfg.get("draft_vocab_size"),
-                      lm_head_from_target=cfg.get("draft_vocab_size") is None and not cfg.get("tie_word_embeddings"),
+                      # null only: absent, SGLang fails to build the draft (doctor/static.py LM_HEAD_REPLACED)
+                      lm_head_from_target=("draft_vocab_size" in cfg and cfg["draft_vocab_size"] is None
+                                           and not cfg.get("tie_word_embeddings")),
                       embedding_replaced=target_hidden == hidden, norm_flags=_flags(cfg, v), problems=problems)
 
 

@@ -1,0 +1,192 @@
+"""SGLang's side of eaglewire's boundary to SGLang: one job, run in SGLang's own Python.
+
+Self-contained on purpose: this file imports the standard library and, inside its functions, sglang and the
+transformers SGLang brings (0.5.17 pins 5.12.1, which eaglewire's own pin excludes). It never imports eaglewire.
+engines/sglang.py copies it into the job's private folder as `eaglewire_sglang_worker.py` and runs
+
+    SGLANG_PYTHON eaglewire_sglang_worker.py JOB.json OUT.json
+
+with PYTHONPATH = SGLang's site folders (if any), then that folder. The folder holds only this file and the
+job, so nothing of eaglewire shadows a module SGLang imports. SGLang's scheduler process imports
+`aux_layers_hook` from here through its `forward_hooks` server argument (below).
+
+Facts this relies on (sglang 0.5.17, python/sglang/srt/...):
+- entrypoints/engine.py:229-236: `Engine(**kwargs)` builds `ServerArgs(**kwargs)` (log level "error" unless
+  given) and keeps it as `engine.server_args`. server_args.py:3590-3592 (`__post_init__`) runs
+  arg_groups/speculative_hook.py `handle_speculative_decoding`, which rewrites the speculative arguments in that
+  object: steps/topk/draft tokens auto-chosen when steps is unset (:588-601, `_auto_choose_speculative_params`
+  :795-825), draft tokens forced to steps + 1 under topk 1 (:656-664, a log warning only). So what SGLang
+  RESOLVED is read from `engine.server_args` once the engine is up (`resolved`).
+- entrypoints/engine.py:1670: SGLang starts its processes with `spawn`, so the job runs under
+  `if __name__ == "__main__"`.
+- server_args.py:3421-3428 `forward_hooks` (JSON list of {name, target_modules, hook_factory, config});
+  model_executor/hook_manager.py:11-55 imports `hook_factory` in the scheduler process, calls it with `config`
+  and registers the returned forward hook on every module whose name matches; model_runner_components/
+  cuda_graph_setup.py:157-164 registers them after CUDA-graph capture: they fire on eager forwards only, so
+  prefills run eager unless the job asks otherwise (server_args.py:1848 `disable_prefill_cuda_graph`; decode
+  steps stay in graphs unless cuda_graph is off). `aux_layers_hook` reads `layers_to_capture` of the target's inner
+  model: models/llama.py:411 (the list), :434-437 (at layer i it captures `hidden_states + residual`, the
+  residual stream entering layer i: eaglewire's tap i), :885-897 (`set_eagle3_layers_to_capture`: no ids ->
+  [2, N//2, N-3] as they are, ids -> `val + 1`). SGLang logs none of this.
+- managers/tokenizer_manager.py:2435-2436 and 2739-2809: a finished request's meta_info carries
+  `spec_verify_ct` (verify steps), `spec_num_correct_drafts` (accepted draft tokens, no bonus),
+  `spec_num_proposed_drafts` (= verify steps x (num_draft_tokens - 1), :2757-2759), `spec_accept_length`
+  (= completion_tokens / verify steps, :2767-2769: the prefill's token counts too) and
+  `spec_correct_drafts_histogram` (:2797-2809; index k = verify steps that accepted k draft tokens,
+  managers/schedule_batch.py:1091-1094, 1192-1202). `output_top_logprobs`: per new token a list of
+  (logprob, token_id, text) (tokenizer_manager.py:2699-2717).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+# What of a finished request's meta_info the job keeps (tokenizer_manager.py:2214-2266, 2739-2809).
+META_KEYS = ("prompt_tokens", "completion_tokens", "finish_reason", "spec_verify_ct", "spec_accept_length",
+             "spec_accept_rate", "spec_num_correct_drafts", "spec_num_proposed_drafts",
+             "spec_correct_drafts_histogram")
+# The speculative settings SGLang resolved (server_args.py fields), and what else shapes the run.
+RESOLVED_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                 "speculative_num_draft_tokens", "speculative_draft_model_path", "attention_backend",
+                 "page_size", "disable_cuda_graph", "disable_prefill_cuda_graph", "max_running_requests", "dtype",
+                 "mem_fraction_static", "disable_radix_cache", "sampling_backend")
+# The modules whose `layers_to_capture` says what the target feeds the draft: the target's inner model.
+HOOK_MODULES = ["model", "language_model.model"]
+
+
+def engine_kwargs(job: dict, hook_file: str) -> dict:
+    """sglang.Engine's keywords for a job (a dict of engines/sglang.py's Job): greedy runs of the target, with
+    the draft as EAGLE3 when there is one. Speculative arguments left None are left to SGLang."""
+    kw = dict(model_path=job["target"], dtype=job["dtype"], mem_fraction_static=job["mem_fraction_static"],
+              attention_backend=job["attention_backend"], sampling_backend="pytorch", grammar_backend="none",
+              disable_cuda_graph=not job["cuda_graph"], disable_prefill_cuda_graph=not job["prefill_cuda_graph"],
+              disable_radix_cache=True, random_seed=0, log_level="info",
+              forward_hooks=[{"name": "eaglewire_aux_layers", "target_modules": HOOK_MODULES,
+                              "hook_factory": f"{hook_module()}:aux_layers_hook", "config": {"out": hook_file}}])
+    if job["draft"] is not None:
+        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=job["draft"])
+        for name in ("num_steps", "eagle_topk", "num_draft_tokens"):
+            if job[name] is not None:
+                kw[f"speculative_{name}"] = job[name]
+    if job.get("context_length"):
+        kw["context_length"] = job["context_length"]
+    return kw
+
+
+def hook_module() -> str:
+    """This module's name as SGLang's scheduler will import it (the file's name: it runs as a script)."""
+    return os.path.splitext(os.path.basename(__file__))[0]
+
+
+def aux_layers_hook(config: dict):
+    """SGLang hook factory (hook_manager.py): a forward hook that appends, once per module, the module's class
+    and its `layers_to_capture` to the file config["out"] as a JSON line."""
+    out, seen = config["out"], set()
+
+    def hook(module, args, output):
+        if id(module) in seen:
+            return None
+        seen.add(id(module))
+        layers = getattr(module, "layers_to_capture", None)
+        cls = type(module)
+        with open(out, "a") as f:
+            f.write(json.dumps({"module": f"{cls.__module__}.{cls.__qualname__}",
+                                "layers_to_capture": None if layers is None else [int(i) for i in layers]}) + "\n")
+        return None
+
+    return hook
+
+
+def read_hook_file(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def resolved(server_args) -> dict:
+    """What SGLang resolved the run's arguments to (its ServerArgs after __post_init__), as JSON values."""
+    out = {}
+    for k in RESOLVED_KEYS:
+        v = getattr(server_args, k, None)
+        out[k] = v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+    return out
+
+
+def prompt_ids(job: dict) -> list[list[int]]:
+    """The prompts' token ids: as given, or the conversations under the target's chat template (SGLang's
+    transformers), generation prompt added."""
+    if job.get("input_ids"):
+        return [[int(t) for t in ids] for ids in job["input_ids"]]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(job["target"])
+    out = []
+    for conv in job["conversations"]:
+        enc = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = enc["input_ids"]
+        out.append([int(t) for t in (ids[0] if ids and isinstance(ids[0], list) else ids)])
+    return out
+
+
+def one(out: dict, top_logprobs: int) -> dict:
+    """One request's output dict (tokenizer_manager.py:2337-2360: text, output_ids, meta_info) as kept."""
+    meta = out.get("meta_info") or {}
+    row = {"tokens": [int(t) for t in out.get("output_ids") or []],
+           "meta": {k: meta[k] for k in META_KEYS if k in meta}}
+    if top_logprobs:
+        row["top_logprobs"] = [None if pos is None else [[float(lp), int(tid)] for lp, tid, *_ in pos]
+                               for pos in meta.get("output_top_logprobs") or []]
+    return row
+
+
+def serve(job: dict, hook_file: str) -> dict:
+    """Greedy generation of every prompt: batch 1 (a warm-up, then each prompt in its own call, timed) or
+    batch 0 (all prompts in one call: acceptance only)."""
+    import sglang
+
+    prompts = prompt_ids(job)
+    engine = sglang.Engine(**engine_kwargs(job, hook_file))
+    try:
+        params = {"temperature": 0.0, "max_new_tokens": job["max_new_tokens"]}
+        lp = ({"return_logprob": True, "top_logprobs_num": job["top_logprobs"]} if job["top_logprobs"] else {})
+        rows, total = [], None
+        if job["batch"] == 1:
+            engine.generate(input_ids=prompts[0], sampling_params=params, **lp)  # warm-up
+            for ids in prompts:
+                t0 = time.perf_counter()
+                out = engine.generate(input_ids=ids, sampling_params=params, **lp)
+                rows.append({**one(out, job["top_logprobs"]), "seconds": time.perf_counter() - t0})
+        else:
+            t0 = time.perf_counter()
+            outs = engine.generate(input_ids=prompts, sampling_params=params, **lp)
+            total = time.perf_counter() - t0
+            rows = [{**one(o, job["top_logprobs"]), "seconds": None} for o in outs]
+        for ids, row in zip(prompts, rows):
+            row["prompt_tokens"] = len(ids)
+        return {"sglang_version": sglang.__version__, "resolved": resolved(engine.server_args),
+                "prompts": rows, "seconds": total, "hooks": read_hook_file(hook_file)}
+    finally:
+        engine.shutdown()
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python eaglewire_sglang_worker.py JOB.json OUT.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        job = json.load(f)
+    result = serve(job, os.path.join(os.path.dirname(os.path.abspath(argv[1])), "hooks.jsonl"))
+    tmp = argv[1] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
