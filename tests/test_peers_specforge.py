@@ -132,7 +132,7 @@ def test_writer_files_read_back_through_specforge_reader(pipeline):
 def test_budget_settings_and_the_tied_target(pipeline):
     r = pipeline["result"]
     c, s = r["calibration"], r["settings"]
-    assert r["steps"] == max(1, int((3.0 - c["warmup_extra_s"]) / c["step_s"])) == s["max_steps"]
+    assert r["steps"] == max(1, int(3.0 / c["step_s"])) == s["max_steps"]
     assert c["steps"] == ps.WARMUP_STEPS + 2 and r["startup_s"] > 0 and r["train_s"] > 0
     # SpecForge's own defaults (config/schema.py), the CPU's two necessities aside
     assert {k: s[k] for k in ("ttt_length", "learning_rate", "lr_scheduler", "warmup_ratio", "batch_size",

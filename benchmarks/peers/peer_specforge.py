@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -236,8 +237,10 @@ def train(data_dir, target_dir, out_dir, *, seconds: float, python: str, env: di
     or at save_interval, but not on a signal (cli.py:263-270 unwinds without saving), and training.max_steps
     is also its cosine's horizon (training/assembly.py:249). A calibration run of `calibrate_steps` steps
     measures the step time after WARMUP_STEPS (its checkpoint is discarded); the run then gets
-    max_steps = (seconds - the calibration's extra warm-up time) / step time, and enough epochs over the data
-    to reach it. `training.max_steps=N` among `overrides` skips the calibration.
+    max_steps = seconds / step time, and enough epochs over the data to reach it. Its warm-up is not
+    subtracted: cold, it is mostly compiling (46 s on an H200), which the calibration leaves cached (8 s
+    there), so train_s, the run's measured loop, exceeds `seconds` by about that much.
+    `training.max_steps=N` among `overrides` skips the calibration.
 
     device "cpu" (tests): FSDP is refused without an accelerator, so training.fsdp_sharding NO_SHARD (DDP,
     training/backend.py:232-252); flex_attention has no CPU backward, so sdpa; the Triton loss kernel runs in
@@ -270,15 +273,17 @@ def train(data_dir, target_dir, out_dir, *, seconds: float, python: str, env: di
 
     # SpecForge generates the draft config a user without one gets, adds the data's ids and checks that its
     # own offline-capture resolution names the same layers (application/composition.py:60-133).
+    t0 = time.monotonic()
     prep = _helper(python, "prepare", out_dir / "run.yaml", json.dumps(ids), json.dumps(draft or {}), *overrides,
                    env=run_env, cwd=out_dir)
+    prepare_s = time.monotonic() - t0
     cfg = prep["config"]
     argv = [str(python), "-m", "specforge.cli", "train", "-c", str(out_dir / "run.yaml")]
     log_path = Path(log_path) if log_path else out_dir / "specforge.log"
     samples = manifest["samples"]
     per_step = cfg["training"]["batch_size"] * cfg["training"]["accumulation_steps"]
 
-    def epochs_for(steps):  # one epoch = samples // batch micro-batches (training/schedule.py:24-25)
+    def epochs_for(steps):  # one epoch = samples // batch micro-batches (training/schedule.py:28)
         return max(1, math.ceil(steps * per_step / samples))
 
     calibration = None
@@ -296,9 +301,10 @@ def train(data_dir, target_dir, out_dir, *, seconds: float, python: str, env: di
                 raise RuntimeError(f"calibration logged {len(times)} step times; needs more than {WARMUP_STEPS}")
             step_s = sum(times[WARMUP_STEPS:]) / len(times[WARMUP_STEPS:])
             warmup_extra = sum(times[:WARMUP_STEPS]) - WARMUP_STEPS * step_s
-            steps = max(1, int((seconds - warmup_extra) / step_s))
+            steps = max(1, int(seconds / step_s))
             calibration = {"steps": k, "step_s": step_s, "warmup_extra_s": warmup_extra,
                            "wall_s": calib.end - calib.start, "startup_s": calib.startup_s()}
+            shutil.rmtree(out_dir / "calibrate")
             extra = [f"training.max_steps={steps}", f"training.num_epochs={epochs_for(steps)}"]
         else:
             steps = int(fixed)
@@ -336,6 +342,7 @@ def train(data_dir, target_dir, out_dir, *, seconds: float, python: str, env: di
         "train_s": sum(times),
         "startup_s": real.startup_s(),
         "after_s": real.end - real.steps[-1][1],  # the final checkpoint and teardown
+        "prepare_s": prepare_s,
         "export_s": exported.end - exported.start,
         "calibration": calibration,
         "settings": {
