@@ -16,7 +16,6 @@ data back. So it imports only the standard library and torch at the top.
 from __future__ import annotations
 
 import ast
-import glob
 import json
 import math
 import os
