@@ -1,8 +1,16 @@
-"""A separate virtualenv with vllm-project/speculators 0.9.0, for the interop cross-check.
+"""One separate virtualenv for the peer trainers: vllm-project/speculators 0.9.0 and SpecForge 0.2.0.
 
-speculators pins transformers 5.19 (ours: newer), so it lives in its own venv, built once and cached
-under $EAGLEWIRE_HOME/venvs (never in the repo). The tests talk to it only through a subprocess
-running tests/speculators_probe.py, exchanging tensors as safetensors files.
+Both pin versions that clash with ours (speculators: transformers <= 5.19; SpecForge: torch 2.11.0,
+transformers 5.8.1 and sglang), so they share one venv, built once and cached under
+$EAGLEWIRE_HOME/venvs (never in the repo). The tests talk to it only through subprocesses
+(tests/speculators_probe.py; `specforge` and benchmarks/peers/peer_specforge.py), exchanging files.
+
+SpecForge goes in with --no-deps: its offline training and `specforge export` import only what is
+listed below (read from sys.modules after a real run); its hard deps sglang, yunchang, wandb,
+openai-harmony and tensorboard are never imported on that path. It runs on transformers 5.19 and
+torch 2.13 here. Its EAGLE-3 loss is a Triton kernel launched unconditionally
+(specforge/core/loss.py:185), so a CPU run needs the real triton package, run by Triton's own
+interpreter (TRITON_INTERPRET=1): the largest install here (286 MB download).
 """
 
 from __future__ import annotations
@@ -16,11 +24,14 @@ from pathlib import Path
 
 import pytest
 
-# The install recipe from the issue: speculators' own deps clash with ours, so they are named
-# explicitly and the two packages themselves go in with --no-deps.
+# speculators' own deps clash with ours, so they are named explicitly and the packages themselves go
+# in with --no-deps. accelerate (specforge/cli.py:114 set_seed), pyyaml (config/schema.py:937) and
+# triton (core/loss.py:10) are SpecForge's; datasets serves both (SpecForge: data/preprocessing.py:34,
+# imported to build the draft vocabulary).
 REQUIREMENTS = ["torch==2.13.0", "transformers==5.19.0", "pydantic", "pydantic-settings", "loguru", "rich", "typer",
-                "tqdm", "click", "psutil", "openai", "datasets<=5.1.0", "safetensors"]
-NO_DEPS = ["speculators==0.9.0", "hs-connectors==0.9.0"]
+                "tqdm", "click", "psutil", "openai", "datasets<=5.1.0", "safetensors", "accelerate", "pyyaml",
+                "triton==3.9.0"]
+NO_DEPS = ["speculators==0.9.0", "hs-connectors==0.9.0", "specforge==0.2.0"]
 STAMP = " ".join(REQUIREMENTS + ["--no-deps"] + NO_DEPS)
 PROBE = Path(__file__).with_name("speculators_probe.py")
 
@@ -41,12 +52,12 @@ def _registry_reachable(py: Path, tmp: Path) -> bool:
     return r.returncode == 0
 
 
-def speculators_python() -> Path:
+def peers_python() -> Path:
     """The venv's python, building the venv on first use (a file lock serialises parallel runs)."""
-    root = _home() / "venvs" / "speculators-0.9.0"
+    root = _home() / "venvs" / "peers"
     py = root / "bin" / "python"
     root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / ".speculators.lock", "w") as lock:
+    with open(root.parent / ".peers.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         stamp = root / ".eaglewire-stamp"
         if stamp.is_file() and stamp.read_text() == STAMP and py.exists():
@@ -59,13 +70,16 @@ def speculators_python() -> Path:
         if not ok:
             if not _registry_reachable(py, root / "probe-download"):
                 shutil.rmtree(root, ignore_errors=True)
-                pytest.skip("the package registry is unreachable: cannot install speculators==0.9.0 for the "
-                            "cross-check")
+                pytest.skip("the package registry is unreachable: cannot install the peer trainers (speculators "
+                            "0.9.0, SpecForge 0.2.0)")
             tail = log_path.read_text()[-3000:]
             shutil.rmtree(root, ignore_errors=True)
-            raise RuntimeError(f"installing speculators 0.9.0 into its venv failed:\n{tail}")
+            raise RuntimeError(f"installing the peer trainers into their venv failed:\n{tail}")
         stamp.write_text(STAMP)
         return py
+
+
+speculators_python = peers_python  # the name the speculators tests know it by
 
 
 def run_probe(py: Path, *args: str, timeout: int = 600) -> str:
