@@ -27,10 +27,12 @@ import pytest
 # speculators' own deps clash with ours, so they are named explicitly and the packages themselves go
 # in with --no-deps. accelerate (specforge/cli.py:114 set_seed), pyyaml (config/schema.py:937) and
 # triton (core/loss.py:10) are SpecForge's; datasets serves both (SpecForge: data/preprocessing.py:34,
-# imported to build the draft vocabulary).
+# imported to build the draft vocabulary). speculators imports httpx on its train path (train/utils.py:10 ->
+# data_generation/render_client.py:12); openai 3 depends on httpx2 instead, so openai stays on 2.x, which
+# uses httpx (the versions the GPU machine runs).
 REQUIREMENTS = ["torch==2.13.0", "transformers==5.19.0", "pydantic", "pydantic-settings", "loguru", "rich", "typer",
-                "tqdm", "click", "psutil", "openai", "datasets<=5.1.0", "safetensors", "accelerate", "pyyaml",
-                "triton==3.9.0"]
+                "tqdm", "click", "psutil", "openai==2.54.0", "httpx", "datasets<=5.1.0", "safetensors", "accelerate",
+                "pyyaml", "triton==3.9.0"]
 NO_DEPS = ["speculators==0.9.0", "hs-connectors==0.9.0", "specforge==0.2.0"]
 STAMP = " ".join(REQUIREMENTS + ["--no-deps"] + NO_DEPS)
 PROBE = Path(__file__).with_name("speculators_probe.py")

@@ -8,7 +8,6 @@ Everything speculators does for the checks after training runs in ONE process (i
 for device="cpu"; the GPU run needs none of them.
 """
 
-import fcntl
 import json
 import os
 import subprocess
@@ -41,7 +40,6 @@ ATOL = 1e-5  # fp32; HF eager attention against SDPA differ by ~1e-7
 # The CPU and the test's size: no 12 spawned loader workers on 2 cores, packs of 256 tokens, not 8,192.
 # --draft-vocab-size makes speculators build its d2t/t2d from our token_freq.pt (train/cli.py:360-395, 398-420).
 EXTRA = ("--num-workers", "0", "--total-seq-len", "256", "--draft-vocab-size", str(DRAFT_VOCAB))
-HTTPX = ["httpx==0.29.0", "httpcore==1.0.9", "certifi==2026.10.19.post1"]
 
 # Runs in speculators' venv: its loader reads every row back, its TrainConfig gives its defaults, its
 # Eagle3DraftModel runs two TTT steps of the trained checkpoint (as tests/speculators_probe.py does).
@@ -80,25 +78,6 @@ print(json.dumps({"rows": len(ds), "token_freq": {str(k): v for k, v in freq.ite
 """
 
 
-def _cli_env(py: Path) -> dict:
-    """speculators imports httpx on its train path (train/utils.py:10 -> data_generation/preprocessing.py:18
-    -> render_client.py:12), a declared dependency that the shared venv lacks (its openai pulls httpx2):
-    installed once beside the venv, never into it."""
-    if subprocess.run([str(py), "-c", "import httpx"], capture_output=True).returncode == 0:
-        return {}
-    root = speculators_env._home() / "venvs" / "speculators-0.9.0-httpx"
-    with open(root.parent / ".speculators-httpx.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        stamp = root / ".eaglewire-stamp"
-        if not (stamp.is_file() and stamp.read_text() == " ".join(HTTPX)):
-            r = subprocess.run([str(py), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps",
-                                "--upgrade", "--target", str(root), *HTTPX], capture_output=True, text=True)
-            if r.returncode != 0:
-                pytest.skip(f"cannot install {' '.join(HTTPX)} beside the speculators venv: {r.stderr[-300:]}")
-            stamp.write_text(" ".join(HTTPX))
-    return {"PYTHONPATH": str(root)}
-
-
 def _samples(target_dir: Path) -> list[dict]:
     """Chats encoded by eaglewire (assistant-only loss mask), their taps captured by eaglewire's hooks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -120,7 +99,7 @@ def _samples(target_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     py = speculators_env.speculators_python()
-    env = _cli_env(py)
+    env = {}
     root = tmp_path_factory.mktemp("peer-speculators")
     target = make_target(root / "target")
     samples = _samples(target)
@@ -187,7 +166,7 @@ def test_train_ran_speculators_own_trainer_and_was_interrupted(run):
 
 def test_train_that_ends_within_its_budget_returns_the_last_epoch(run, tmp_path):
     """All epochs done before the budget: no SIGINT, the last epoch's checkpoint (train/trainer.py:736-744)."""
-    py, env = speculators_env.speculators_python(), _cli_env(speculators_env.speculators_python())
+    py, env = speculators_env.speculators_python(), {}
     r = ps.train(run["root"] / "data", run["target"], tmp_path / "train", seconds=600, python=str(py), env=env,
                  device="cpu", extra_args=(*EXTRA, "--epochs", "1"))
     assert not r["interrupted"] and r["checkpoint"] == tmp_path / "train" / "checkpoints" / "0"

@@ -109,10 +109,12 @@ def markdown(meta: dict, table: list[dict], r: dict) -> str:
         lines += ["", "What each engine loaded:", ""] + served
     docs = [x for x in table if x["doctor"]]
     if docs:
-        lines += ["", "`eaglewire doctor --probe` on each peer's output as written, and on a copy with every id +1:", ""]
+        lines += ["", "`eaglewire doctor --probe` on each peer's output as written, and on a copy with every id +1, for "
+                  "the engine it is made for:", ""]
         for x in docs:
-            lines.append(f"- {NAMES[x['trainer']]}: " + "; ".join(
-                f"{v}: {d['verdict']} (exit {d['exit']})" for v, d in x["doctor"].items()))
+            d = x["doctor"]
+            lines.append(f"- {NAMES[x['trainer']]} ({d['engine']}): " + "; ".join(
+                f"{v}: ids {r['engine_ids']}, {r['verdict']}, exit {r['exit']}" for v, r in d.items() if v != "engine"))
     return "\n".join(lines) + "\n"
 
 

@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,9 @@ from peers import features, measure, report  # noqa: E402
 STAGES = ("replies", "capture", "train", "import", "doctor", "eval", "serve", "speed", "report")
 TRAINERS = ("eaglewire", "speculators", "specforge")
 PEERS = ("speculators", "specforge")
+# The engine each peer's output is made for: speculators' for vLLM (its loader), SpecForge's HF export for SGLang
+# (LlamaForCausalLMEagle3, its ids nested as SGLang reads them). The doctor examines each for that engine.
+HOME_ENGINE = {"speculators": "vllm", "specforge": "sglang"}
 HELDOUT = 0.02  # share of the conversations no trainer sees (acc@1), by a hash of their text
 MIN_HELDOUT = 4
 
@@ -92,11 +96,12 @@ def _key(conv: list) -> int:
 
 
 def split(convs: list) -> tuple[list, list]:
-    """(train, held out): the conversations whose hash falls in the lowest HELDOUT share, at least MIN_HELDOUT."""
+    """(train, held out): the conversations whose hash falls in the lowest HELDOUT share (at least MIN_HELDOUT)."""
     order = sorted(range(len(convs)), key=lambda i: _key(convs[i]))
     n = min(len(convs) - 1, max(MIN_HELDOUT, round(HELDOUT * len(convs))))
-    held = set(order[:n])
-    return [c for i, c in enumerate(convs) if i not in held], [c for i, c in enumerate(convs) if i in held]
+    # The rest in the hashes' order: a fixed shuffle (speculators holds out its last 10% of rows, as its own
+    # prepare-data's shuffle would have them)
+    return [convs[i] for i in order[n:]], [convs[i] for i in order[:n]]
 
 
 def stage_replies(w: Work, a) -> dict:
@@ -137,9 +142,11 @@ def stage_capture(w: Work, a) -> dict:
     writers = {"eaglewire": features.ShardsWriter(root / "eaglewire", target=tgt,
                                                   contract=TapContract.default(tgt.num_layers),
                                                   pset=load_pool(w / "data" / "train.jsonl"), cfg=cfg)}
-    for name in PEERS:
-        if name in a.trainers:
-            writers[name] = peer_module(name).Writer(root / name, target_dir=tdir, hidden_size=H)
+    if "speculators" in a.trainers:  # its own code builds its row table at close(): the peers' interpreter
+        writers["speculators"] = peer_module("speculators").Writer(root / "speculators", target_dir=tdir, hidden_size=H,
+                                                                   python=a.peer_python, env=a.peer_env)
+    if "specforge" in a.trainers:
+        writers["specforge"] = peer_module("specforge").Writer(root / "specforge", target_dir=tdir, hidden_size=H)
     r = features.capture_all(tgt, w / "data" / "train.jsonl", writers, max_len=a.max_len, progress=say)
     say(f"capture: {r['counts']['tokens']} tokens, forward {r['timing']['forward_s']:.0f} s, "
         + ", ".join(f"{k} written in {r['timing'][f'{k}_write_s']:.0f} s" for k in writers))
@@ -170,8 +177,12 @@ def train_one(w: Work, a, name: str) -> dict:
               *[x for s in a.set for x in ("--set", s)]], w / "logs" / "train-eaglewire.log")
         r = json.loads(js.read_text())
     else:
+        own = dict(extra_args=a.speculators_args) if name == "speculators" else dict(
+            overrides=a.specforge_set, draft={"draft_vocab_size": a.specforge_draft_vocab} if a.specforge_draft_vocab
+            else None)
         r = peer_module(name).train(w / "features" / name, targets.resolve(a.target), out, seconds=seconds,
-                                    python=a.peer_python, device=a.device, log_path=w / "logs" / f"train-{name}.log")
+                                    python=a.peer_python, env=a.peer_env, device=a.device,
+                                    log_path=w / "logs" / f"train-{name}.log", **own)
         r = {**r, "checkpoint": str(r["checkpoint"])}
     r["process_s"] = round(time.perf_counter() - t0, 1)
     say(f"train {name}: {r.get('steps')} steps in {r.get('train_s', 0):.0f} s of training "
@@ -230,17 +241,18 @@ def stage_doctor(w: Work, a, imported: dict) -> dict:
     for name in a.trainers:
         if name == "eaglewire":
             continue
-        raw = Path(imported[name]["raw"])
-        rows = {}
-        for variant, d in (("as written", raw), ("every id +1", shifted(raw, "vllm", tgt.num_layers,
+        raw, engine = Path(imported[name]["raw"]), HOME_ENGINE[name]
+        rows = {"engine": engine}
+        for variant, d in (("as written", raw), ("every id +1", shifted(raw, engine, tgt.num_layers,
                                                                          w / "doctor" / f"{name}-plus1"))):
             t0 = time.perf_counter()
-            r = diagnose(d, target=tgt, engine="vllm", probe=a.probe, probe_tokens=128)
+            r = diagnose(d, target=tgt, engine=engine, probe=a.probe, probe_tokens=128)
             verdict = next((f for f in r.findings if f.code in ("PROBE_WIRING", "PROBE_OK", "PROBE_UNSURE")), None)
             rows[variant] = {"exit": r.exit_code, "codes": [f"{f.severity}:{f.code}" for f in r.findings],
                              "verdict": f"{verdict.severity}:{verdict.code}" if verdict else None,
                              "engine_ids": r.context.get("engine_ids"), "seconds": round(time.perf_counter() - t0, 1)}
-            say(f"doctor {name} ({variant}): {rows[variant]['verdict']}, exit {r.exit_code}")
+            say(f"doctor {name} ({variant}): {rows[variant]['verdict']}, exit {r.exit_code} "
+                f"({', '.join(c for c in rows[variant]['codes'] if not c.startswith('info'))})")
         out[name] = rows
     return out
 
@@ -313,7 +325,12 @@ def serve_engine(w: Work, a, imported: dict, engine: str) -> dict:
     mod = _engine(engine)
     rows = {}
     for name in a.trainers:
-        d, how = served_dir(w, engine, name, imported[name], N)
+        try:
+            d, how = served_dir(w, engine, name, imported[name], N)
+        except (UsageError, EaglewireError) as e:  # a draft this engine cannot run as trained (eaglewire says why)
+            rows[name] = {"served": None, "how": f"not servable: {e}", "suites": {}}
+            say(f"serve {engine} {name}: not servable: {e}")
+            continue
         t0 = time.perf_counter()
         r = mod.run_job(_acceptance_job(engine, mod, tdir, d, convs, groups, a),
                         log_path=w / "logs" / f"serve-{engine}-{name}.log")
@@ -340,20 +357,20 @@ def _acceptance_job(engine: str, mod, tdir, draft, convs, groups, a):
     if engine == "vllm":
         return mod.Job(**common, num_speculative_tokens=a.chain, enforce_eager=True, groups=groups,
                        gpu_memory_utilization=a.gpu_memory_utilization)
-    return mod.Job(**common, num_steps=a.chain, eagle_topk=1, num_draft_tokens=a.chain + 1,
+    return mod.Job(**common, num_steps=a.chain, eagle_topk=1, num_draft_tokens=a.chain + 1, cuda_graph=False,
                    mem_fraction_static=a.gpu_memory_utilization)
 
 
 def _per_suite(engine: str, r: dict, groups: list) -> list[dict]:
     if engine == "vllm":
         return [measure.engine_acceptance(g) for g in r["groups"]]
+    from eaglewire.engines import sglang
+
     out, at = [], 0
-    for n in groups:  # SGLang counts each request: its completion tokens over its verify steps
-        ps = r["prompts"][at:at + n]
-        steps = sum(p["verify_ct"] for p in ps)
-        tokens = sum(p["completion_tokens"] for p in ps)
-        out.append({"acceptance_length": tokens / steps if steps else None, "verify_steps": steps,
-                    "rate_by_position": None})
+    for n in groups:  # SGLang counts each request (its meta_info), so a suite is its requests
+        c = sglang.counts({**r, "prompts": r["prompts"][at:at + n]})
+        out.append({"acceptance_length": c["acceptance_length"], "verify_steps": c["drafts"],
+                    "rate_by_position": c["rate_by_position"], "reported_accept_length": c["reported_accept_length"]})
         at += n
     return out
 
@@ -399,6 +416,13 @@ def parse(argv=None):
     p.add_argument("--speed-prompts", type=int, default=20)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--peer-python", default=sys.executable, help="the interpreter that runs the peers' trainers")
+    p.add_argument("--peer-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the peers' processes (e.g. PYTHONPATH=their site folder)")
+    p.add_argument("--speculators-args", default="", help="more `speculators train` flags (their defaults: none)")
+    p.add_argument("--specforge-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a SpecForge run.yaml override (their defaults: none)")
+    p.add_argument("--specforge-draft-vocab", type=int, default=None,
+                   help="SpecForge's draft vocabulary (default its 32,000; a toy target needs fewer)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a training field of eaglewire's row (its ablations)")
     p.add_argument("--stages", default=",".join(STAGES))
@@ -406,6 +430,8 @@ def parse(argv=None):
     a = p.parse_args(argv)
     for field in ("trainers", "suites", "engines", "stages"):
         setattr(a, field, [x for x in getattr(a, field).split(",") if x])
+    a.speculators_args = shlex.split(a.speculators_args)
+    a.peer_env = dict(kv.split("=", 1) for kv in a.peer_env if "=" in kv)
     bad = [t for t in a.trainers if t not in TRAINERS] + [s for s in a.stages if s not in STAGES]
     if bad:
         raise UsageError(f"unknown trainer or stage {bad}: trainers {', '.join(TRAINERS)}; stages {', '.join(STAGES)}")

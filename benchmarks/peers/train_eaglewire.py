@@ -11,7 +11,6 @@ training field (as `recipe --set` does), for the aligned and ablation rows.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
