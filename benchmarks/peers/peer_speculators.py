@@ -306,6 +306,8 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
     if device == "cpu":  # the same math without what needs a GPU: flex_attention has no CPU backward (torch's
         # flex_attention.py _validate_device), the fused losses need Triton (losses/utils.py:117-123)
         args += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+    elif fused_loss_fails():
+        args += ["--loss-implementation", "eager"]
     args += [str(a) for a in extra_args]
     argv = [python, "-m", "speculators", "train", *args]  # the console script `speculators` (speculators.__main__:app)
     t0 = time.perf_counter()
@@ -347,6 +349,16 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
     return {"checkpoint": ckpt, **_steps(text), "train_s": round((sigint or end) - first, 2),
             "startup_s": round(first - t0, 2), "save_s": round(end - (sigint or end), 2),
             "interrupted": ckpt.name == "interrupted", "settings": settings, "command": argv, "log": str(log_path)}
+
+
+def fused_loss_fails(version: str | None = None) -> bool:
+    """speculators' default fused KL loss does not compile on torch 2.11 (the version vLLM 0.26.0 pins): on an H200
+    (2026-12-03, triton 3.6) its first step died in dynamo tracing the backward's Triton autotuner
+    (losses/fused.py:343 -> "ListVariable(length=21) is already tracked for mutation", the kernel's
+    `configs`). The eager loss computes the same KL (losses/utils.py:117-128) and runs there."""
+    import torch
+
+    return (version or torch.__version__).startswith("2.11.")
 
 
 def importable(checkpoint: Path) -> Path:

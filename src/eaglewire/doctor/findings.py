@@ -46,8 +46,10 @@ CODES: dict[str, str] = {
                     "when the engine's wiring costs >= 3% of acceptance length, else a warning)",
     "PROBE_LOW_ACCEPTANCE": "measured: accuracy far below the accuracy recorded at training time",
     "PROBE_TAP_STATS": "measured: the live taps' activation statistics do not match those recorded at training",
-    "PROBE_OK": "measured: the wiring the engine will use reads best of those tried, or tied with the best "
-                "within noise (the message says which)",
+    "PROBE_UNSURE": "measured, but no evidence: every tap -1 or +1 reads no worse than the engine's wiring (a "
+                    "draft that predicts little, or too few prompts); the taps stay unverified",
+    "PROBE_OK": "measured: the wiring the engine will use reads significantly better than every tap -1 and +1, "
+                "and best of those tried or tied with the best within noise (the message says which)",
 }
 
 

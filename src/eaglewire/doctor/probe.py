@@ -238,9 +238,13 @@ def _ci(d: paired.Difference) -> str:
     return f"{d.length:+.2f}, interval {lo:+.2f}..{hi:+.2f}"
 
 
+SHIFTS = ("every tap -1", "every tap +1")  # candidates()'s labels of the whole-list shifts
+
+
 def _verdict(eng, alts, draft, change_for, who: str, trained, pin_ids: bool, K: int, P: int):
     """PROBE_WIRING when another wiring reads significantly better (an error from a cost of paired.COSTLY of
-    acceptance length), else PROBE_OK saying whether the engine's wiring is the best or tied within noise."""
+    acceptance length); PROBE_UNSURE when a whole-list shift reads no worse, so the measurement cannot tell the
+    engine's wiring from the seed's fault; else PROBE_OK saying whether it is the best or tied within noise."""
     ew, er, _ = eng
     scale = (f"acceptance length {er['acceptance_length']:.2f} (a greedy chain of {K}, {P} prompts, "
              f"{er['rounds']} rounds)")
@@ -260,6 +264,16 @@ def _verdict(eng, alts, draft, change_for, who: str, trained, pin_ids: bool, K: 
         if not serious:
             text = f"a small but measured gain (under {100 * paired.COSTLY:.0f}% of acceptance length): {text}"
         return finding("PROBE_WIRING", "error" if serious else "warning", msg, text, remedy)
+    # The seed's faults are whole-list shifts: a wiring is told right only when each of them reads significantly
+    # worse. A draft that predicts little, or too few prompts, ties with them, and that is no evidence either way.
+    shifts = [(w, d) for (w, _, _), d in alts if w.label in SHIFTS and not d.worse]
+    if shifts:
+        w, d = max(shifts, key=lambda x: x[1].length)
+        msg = (f"could not tell the wiring {who} will use, {ew.describe()}, from {w.describe()} ({w.label}): "
+               f"{_ci(d)}, paired over the same prompts; {scale}, step-1 accuracy {_pct(er['acc1'])}")
+        return finding("PROBE_UNSURE", "warning", msg,
+                       f"measure on more prompts (--probe {2 * P} --probe-tokens 256), or on a draft that has trained "
+                       "longer; until then the taps are unverified")
     ties = sorted(((w, d) for (w, _, _), d in alts if d.length >= 0), key=lambda x: -x[1].length)
     if ties:
         lead_w, lead = ties[0]
