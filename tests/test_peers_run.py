@@ -68,12 +68,15 @@ def done(tmp_path_factory):
     conversations_file(root / "convs.jsonl", 80)
     (root / "suite.txt").write_text("\n".join(SUITE) + "\n")
     fake = FakeEngines()
+    # The CPU's sizes: small micro-batches, a draft vocabulary the toy target has, SpecForge's step cap given (its
+    # calibration run is test_peers_specforge.py's), a short probe.
     argv = ["--work", str(root / "w"), "--target", str(root / "target"), "--conversations-file",
             str(root / "convs.jsonl"), "--minutes", "0.05", "--peer-python", str(py), "--device", "cpu",
             "--speculators-args", "--num-workers 0 --total-seq-len 256 --draft-vocab-size 64",
-            "--specforge-draft-vocab", "64", "--set", "batch_tokens=512", "--set", "max_len=512", "--set", "log_every=2", "--set",
-            "draft_vocab_size=64", "--suites", str(root / "suite.txt"), "--prompts", "6", "--new-tokens", "16",
-            "--chain", str(K), "--probe", "4", "--speed-prompts", "2", "--max-len", "512"]
+            "--specforge-draft-vocab", "64", "--specforge-set", "training.max_steps=3",
+            "--set", "batch_tokens=512", "--set", "max_len=512", "--set", "log_every=2", "--set", "draft_vocab_size=64",
+            "--suites", str(root / "suite.txt"), "--prompts", "6", "--new-tokens", "16", "--chain", str(K),
+            "--probe", "4", "--speed-prompts", "2", "--max-len", "512"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(vllm, "run_job", fake.vllm)
         mp.setattr(sglang, "run_job", fake.sglang)
