@@ -66,12 +66,12 @@ def test_one_pass_gives_every_format_the_tensors_datagen_writes(chat, tmp_path):
     root, tgt = chat
     N, H = tgt.num_layers, tgt.config.hidden_size
     contract = TapContract.default(N)
-    cfg = datagen.DatagenConfig(max_len=256, dtype="fp32")
+    cfg = datagen.DatagenConfig(max_len=256, dtype="fp32", batch_size=4)
     pool = load_pool(root / "convs.jsonl")
     rec = Recorder()
     writers = {"eaglewire": features.ShardsWriter(tmp_path / "ours", target=tgt, contract=contract, pset=pool, cfg=cfg),
                "peer": rec}
-    r = features.capture_all(tgt, root / "convs.jsonl", writers, max_len=256, batch_size=4, chunk=10, dtype="fp32")
+    r = features.capture_all(tgt, pool, writers, cfg=cfg, chunk=10)
     assert r["counts"]["samples"] == 24 and rec.closed and r["written"]["eaglewire"]["samples"] == 24
     assert set(r["timing"]) >= {"forward_s", "eaglewire_write_s", "peer_write_s"}
 

@@ -53,18 +53,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def capture_all(target: targets.Target, conversations: Path, writers: dict, *, max_len: int, batch_size: int = 16,
-                chunk: int = 256, dtype: str = "bf16", progress=None) -> dict:
-    """Encode every conversation of `conversations` (replies written), capture once, hand each sample to every
-    writer; -> counts and timings. `writers`: name -> object with add(input_ids, loss_mask, taps (T, 3, H),
-    last (T, H) pre-norm, final (T, H) post-norm), optional commit() after each chunk, and close() -> dict."""
+def capture_all(target: targets.Target, pset: prompts.PromptPool, writers: dict, *, cfg: datagen.DatagenConfig,
+                chunk: int = 256, progress=None) -> dict:
+    """Encode every conversation of `pset` (replies written) under `cfg` (max_len, capture batch, storage dtype),
+    capture once, hand each sample to every writer; -> counts and timings. `writers`: name -> object with
+    add(input_ids, loss_mask, taps (T, 3, H), last (T, H) pre-norm, final (T, H) post-norm), optional commit()
+    after each chunk, and close() -> dict."""
     N = target.num_layers
     contract = TapContract.default(N)
     wide = TapContract(N, tuple(contract.taps) + (N,))  # + tap N: the pre-norm final state speculators reads
-    pset = prompts.load_pool(conversations, need_assistant=True)
-    cfg = datagen.DatagenConfig(max_len=max_len, batch_size=batch_size, dtype=dtype)
     stack = locate(target.model)
-    store = shards.DTYPES[dtype]
+    store = shards.DTYPES[cfg.dtype]
     H = target.config.hidden_size
     timing = {"encode_s": 0.0, "forward_s": 0.0, **{f"{k}_write_s": 0.0 for k in writers}}
     counts = {"conversations": len(pset.conversations), "samples": 0, "tokens": 0, "assistant_tokens": 0,
@@ -73,13 +72,13 @@ def capture_all(target: targets.Target, conversations: Path, writers: dict, *, m
     t_all = time.perf_counter()
     for i in range(0, len(convs), chunk):
         t = time.perf_counter()
-        encs = [e for e in datagen.encode_chunk(target.tokenizer, convs[i:i + chunk], cfg)]
+        encs = datagen.encode_chunk(target.tokenizer, convs[i:i + chunk], cfg)
         kept = [e for e in encs if not isinstance(e, prompts.Skip)]
         counts["skipped"] += len(encs) - len(kept)
         timing["encode_s"] += time.perf_counter() - t
         _sync(target.device)
         t = time.perf_counter()
-        states = datagen.capture_batched(target, wide, [ids for ids, _, _ in kept], batch_size, store, stack)
+        states = datagen.capture_batched(target, wide, [ids for ids, _, _ in kept], cfg.batch_size, store, stack)
         _sync(target.device)
         timing["forward_s"] += time.perf_counter() - t
         for (ids, mask, truncated), (taps, final) in zip(kept, states):

@@ -8,13 +8,10 @@
   (benchmarks/precision.py `--text decoder` checks the two agree).
 - Held-out acc@1 is the same replay's first-token accuracy on conversations none of the trainers saw, with
   the target's written replies as the text.
-- `engine_acceptance`: the suite's prompts served by the engine (vLLM or SGLang) with the draft, all at once;
-  the engine writes its own greedy text and reports what it accepted (1 + accepted / verify steps).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,15 +68,3 @@ def against(base: paired.PerPrompt, others: dict) -> dict:
     diffs = paired.compare(base, [others[k] for k in names]) if names else []
     return {k: {"difference": d.length, "interval": list(d.length_ci),
                 "relative": d.length / d.base_length if d.base_length else None} for k, d in zip(names, diffs)}
-
-
-def engine_acceptance(counters: dict) -> dict:
-    """An engine's counters over one call -> acceptance length (bonus token included) and by position."""
-    drafts, acc = counters.get("drafts") or 0, counters.get("accepted") or 0
-    pos = counters.get("accepted_per_pos") or []
-    return {"acceptance_length": 1 + acc / drafts if drafts else None, "verify_steps": drafts,
-            "rate_by_position": [a / drafts for a in pos] if drafts and pos else None}
-
-
-def read_json(path: Path):
-    return json.loads(Path(path).read_text())

@@ -5,7 +5,6 @@ Only numbers the run measured are printed; a stage that did not run leaves its c
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from eaglewire.files import atomic_write, write_json
@@ -65,14 +64,14 @@ def rows(meta: dict, r: dict) -> list[dict]:
 
 def markdown(meta: dict, table: list[dict], r: dict) -> str:
     lines = [f"# Peers: eaglewire against speculators and SpecForge ({meta['date']}, {meta['device']})", "",
-             f"Target {meta['target']}; each trainer alone on the GPU for {meta['minutes']:g} training minutes on the "
+             f"Target {meta['target']}; each trainer alone on the GPU with a budget of {meta['minutes']:g} training minutes, on the "
              f"same conversations and one capture; chain of {meta['chain']}, greedy, {meta['new_tokens']} new tokens, "
              f"{meta['prompts']} prompts a suite.", "",
              "| trainer | capture min | training min | start-up min | steps | training tokens/s | held-out acc@1 |",
              "|---|---|---|---|---|---|---|"]
     for x in table:
         lines.append(f"| {NAMES[x['trainer']]} | {_f(x['capture_min'])} | {_f(x['train_min'])} | "
-                     f"{_f(x['startup_min'])} | {_f(x['steps'], 'd') if x['steps'] is not None else '-'} | "
+                     f"{_f(x['startup_min'])} | {_f(x['steps'], 'd')} | "
                      f"{_f(x['tokens_per_s'], ',.0f')} | {_f(x['acc1'], '.3f')} |")
     lines += ["", "Acceptance length (tokens a verify step, the bonus token included):", ""]
     head = "| trainer | " + " | ".join(f"{s}: eaglewire | {s}: vLLM | {s}: SGLang" for s in meta["suites"]) + " |"
@@ -156,7 +155,3 @@ def write(root: Path, meta: dict, results: dict) -> dict:
     plot(meta, table, root / "report.png")
     print(text)
     return {"table": table}
-
-
-def load(root: Path) -> dict:
-    return json.loads((Path(root) / "report.json").read_text())

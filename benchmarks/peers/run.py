@@ -138,16 +138,16 @@ def stage_capture(w: Work, a) -> dict:
     from eaglewire.prompts import load_pool
     from eaglewire.taps import TapContract
 
-    cfg = datagen.DatagenConfig(max_len=a.max_len, dtype="bf16")
+    cfg = datagen.DatagenConfig(max_len=a.max_len, batch_size=16, dtype="bf16")
+    pset = load_pool(w / "data" / "train.jsonl")
     writers = {"eaglewire": features.ShardsWriter(root / "eaglewire", target=tgt,
-                                                  contract=TapContract.default(tgt.num_layers),
-                                                  pset=load_pool(w / "data" / "train.jsonl"), cfg=cfg)}
+                                                  contract=TapContract.default(tgt.num_layers), pset=pset, cfg=cfg)}
     if "speculators" in a.trainers:  # its own code builds its row table at close(): the peers' interpreter
         writers["speculators"] = peer_module("speculators").Writer(root / "speculators", target_dir=tdir, hidden_size=H,
                                                                    python=a.peer_python, env=a.peer_env)
     if "specforge" in a.trainers:
         writers["specforge"] = peer_module("specforge").Writer(root / "specforge", target_dir=tdir, hidden_size=H)
-    r = features.capture_all(tgt, w / "data" / "train.jsonl", writers, max_len=a.max_len, progress=say)
+    r = features.capture_all(tgt, pset, writers, cfg=cfg, progress=say)
     say(f"capture: {r['counts']['tokens']} tokens, forward {r['timing']['forward_s']:.0f} s, "
         + ", ".join(f"{k} written in {r['timing'][f'{k}_write_s']:.0f} s" for k in writers))
     return r
@@ -218,19 +218,16 @@ def stage_import(w: Work, a, trained: dict) -> dict:
 
 def shifted(raw: Path, engine: str, num_layers: int, out: Path) -> Path:
     """A copy of `raw` whose ids, in the key `engine` reads, are every trained id +1 (the seed's fault)."""
+    from eaglewire.engines.serve_check import served_copy
+
     view = interop.read_engine_view(raw, engine, num_layers=num_layers)
-    conv = interop.CONVENTIONS[engine]
-    ids = [i + 1 for i in conv.to_ids(view.captured_taps, num_layers)]
+    ids = [i + 1 for i in interop.CONVENTIONS[engine].to_ids(view.captured_taps, num_layers)]
+
+    def edit(cfg):
+        (cfg.setdefault("eagle_config", {}) if engine == "sglang" else cfg)[IDS_KEY] = ids
+
     shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    for f in raw.iterdir():
-        if f.is_file() and f.name != "config.json":
-            (out / f.name).symlink_to(f.resolve())
-    cfg = json.loads((raw / "config.json").read_text())
-    holder = cfg.setdefault("eagle_config", {}) if engine == "sglang" else cfg
-    holder[IDS_KEY] = ids
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
+    return served_copy(raw, edit, out)
 
 
 def stage_doctor(w: Work, a, imported: dict) -> dict:
@@ -334,7 +331,7 @@ def serve_engine(w: Work, a, imported: dict, engine: str) -> dict:
         t0 = time.perf_counter()
         r = mod.run_job(_acceptance_job(engine, mod, tdir, d, convs, groups, a),
                         log_path=w / "logs" / f"serve-{engine}-{name}.log")
-        per = _per_suite(engine, r, groups)
+        per = _per_suite(engine, r, groups, a.chain)
         rows[name] = {"served": str(d), "how": how, "seconds": round(time.perf_counter() - t0, 1),
                       "suites": dict(zip(a.suites, per)),
                       "version": r.get("vllm_version") or r.get("sglang_version")}
@@ -361,16 +358,18 @@ def _acceptance_job(engine: str, mod, tdir, draft, convs, groups, a):
                    mem_fraction_static=a.gpu_memory_utilization)
 
 
-def _per_suite(engine: str, r: dict, groups: list) -> list[dict]:
+def _per_suite(engine: str, r: dict, groups: list, K: int) -> list[dict]:
+    """Acceptance per suite with each engine's own reader: vLLM counts each call (one a suite), SGLang each
+    request (its meta_info), so a suite is its requests."""
     if engine == "vllm":
-        return [measure.engine_acceptance(g) for g in r["groups"]]
+        from eaglewire.engines.serve_check import counts
+
+        return [counts([g], K) for g in r["groups"]]
     from eaglewire.engines import sglang
 
     out, at = [], 0
-    for n in groups:  # SGLang counts each request (its meta_info), so a suite is its requests
-        c = sglang.counts({**r, "prompts": r["prompts"][at:at + n]})
-        out.append({"acceptance_length": c["acceptance_length"], "verify_steps": c["drafts"],
-                    "rate_by_position": c["rate_by_position"], "reported_accept_length": c["reported_accept_length"]})
+    for n in groups:
+        out.append(sglang.counts({**r, "prompts": r["prompts"][at:at + n]}, K))
         at += n
     return out
 
