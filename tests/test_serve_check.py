@@ -161,6 +161,13 @@ def test_wirings_serve_the_same_weights_with_other_ids(world, monkeypatch):
                                                - r["vllm"]["acceptance_length"])
     assert zero["interval"][0] <= zero["difference"] <= zero["interval"][1] < 0
     assert "id 0 for tap 2" in sc.render(r)
+    # the doctor, before each was served, on the edit as a hand edit of the export leaves it (record kept)
+    assert r["draft"]["doctor"] == {"exit": 0, "findings": []}
+    assert {k: w["doctor"] for k, w in got.items()} == {
+        "every tap +1": {"exit": 1, "findings": ["error:TAPS_SHIFTED"]},
+        "every tap -1": {"exit": 1, "findings": ["error:TAPS_SHIFTED"]},
+        "id 0 for tap 2": {"exit": 1, "findings": ["error:TAPS_UNSUPPORTED"]}}
+    assert "error TAPS_SHIFTED" in sc.render(r)
 
 
 def test_an_engine_export_is_served_as_it_is(world, monkeypatch, tmp_path):
@@ -346,6 +353,11 @@ def test_sglang_wirings_in_its_own_words(world, monkeypatch):
     assert "eagle_aux_hidden_state_layer_ids" not in cfg and cfg[sglang_engine.MISSPELLED] == [1, 3, 4]
     assert plus["acceptance_length"] < r["sglang"]["acceptance_length"]
     assert fallback["acceptance_length"] == pytest.approx(r["sglang"]["acceptance_length"])
+    # the doctor named each before it was served: the shifts as errors; the fallback, which reaches the trained
+    # taps only through SGLang's default, as a warning
+    assert plus["doctor"]["findings"] == minus["doctor"]["findings"] == ["error:TAPS_SHIFTED"]
+    assert fallback["doctor"] == {"exit": 0, "findings": ["warning:TAPS_MISSING"]}
+    assert r["draft"]["doctor"]["exit"] == 0
     assert all(not j.cuda_graph for j in fake.jobs[2:]) and fake.jobs[0].cuda_graph and fake.jobs[1].cuda_graph
     assert r["settings"]["engine_cuda_graphs"]
     fake = FakeSglang(world)
@@ -367,6 +379,8 @@ def test_sglang_engine_flag_trap_reports_what_sglang_resolved(world, monkeypatch
     assert ask["requested"] == {"num_steps": "1", "eagle_topk": "1", "num_draft_tokens": "16"}
     assert ask["doctor"]["num_draft_tokens"] == 2 and ask["doctor_agrees"]
     assert "as SGLang resolved" in sc.render(r)
+    # the doctor, given the flags as served, names the cut before SGLang runs (a warning: it serves, shorter)
+    assert r["draft"]["doctor"] == {"exit": 0, "findings": ["warning:ENGINE_ARGS_OVERRIDE"]}
     r = _check_sglang(world, monkeypatch, FakeSglang(world, force=False), engine_args=trap)
     assert not r["engine_args"]["doctor_agrees"] and "NOT what SGLang resolved" in sc.render(r)
 

@@ -77,6 +77,7 @@ class Prepared:
     how: str
     model_type: str | None = None
     ids: list[int] | None = None  # the ids written where the engine reads them
+    fingerprint: dict | None = None  # the target's, for the doctor
 
 
 def prepare_draft(draft, target_spec: str, work: Path, chain: int, engine=None) -> Prepared:
@@ -102,19 +103,22 @@ def prepare_draft(draft, target_spec: str, work: Path, chain: int, engine=None) 
         raise UsageError(f"--draft {d}: {engine.label} cannot serve it as written "
                          f"({'; '.join(view.problems) or 'no taps'}): run `eaglewire doctor --draft {d} "
                          f"--engine {engine.name}`")
-    return Prepared(engine_dir, Path(native), tuple(view.captured_taps), N, how, model_type, view.ids)
+    return Prepared(engine_dir, Path(native), tuple(view.captured_taps), N, how, model_type, view.ids,
+                    dict(info.fingerprint))
 
 
-def served_copy(engine_dir: Path, edit, out: Path) -> Path:
-    """A copy of an engine directory whose config.json `edit` (a function of the config dict) changed, without the
-    export record (it would contradict the edit); weights linked."""
+def served_copy(engine_dir: Path, edit, out: Path, keep_record: bool = False) -> Path:
+    """A copy of an engine directory whose config.json `edit` (a function of the config dict) changed; weights
+    linked. The export record is dropped unless `keep_record`: kept, it contradicts the edit as a hand edit of an
+    export would, which is what the doctor is asked to name."""
     out.mkdir(parents=True)
     for f in engine_dir.iterdir():
         if f.is_file() and f.name != "config.json":
             (out / f.name).symlink_to(f.resolve())
     cfg = json.loads((engine_dir / "config.json").read_text())
     edit(cfg)
-    cfg.pop(PROVENANCE_KEY, None)
+    if not keep_record:
+        cfg.pop(PROVENANCE_KEY, None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
@@ -281,18 +285,37 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         spec_r = eng.run(str(path), draft=str(p.engine_dir), eager=eager, **job)
         alts = []
         for k, w in enumerate(eng.wirings(p.taps, p.num_layers, p.model_type) if with_wirings else []):
-            d = served_copy(p.engine_dir, w.pop("edit"), work / f"wiring-{k}")
-            log(f"eaglewire serve-check: {eng.label} with the draft given ids {w['ids']} ({w['label']})")
+            # The doctor examines the edit as a hand edit of the export leaves it (its record contradicting the
+            # ids); the engine, which ignores that record, is served the same edit without it.
+            edit = w.pop("edit")
+            said = doctor_says(served_copy(p.engine_dir, edit, work / f"wiring-{k}-edited", keep_record=True), eng, p)
+            d = served_copy(p.engine_dir, edit, work / f"wiring-{k}")
+            log(f"eaglewire serve-check: {eng.label} with the draft given ids {w['ids']} ({w['label']}); the doctor: "
+                f"{', '.join(said['findings']) or 'nothing'}")
             r = eng.run(str(path), draft=str(d), eager=True, **job)
             rows = eng.rows(r, chain)
-            alts.append({**w, "captured": eng.captured(r), "per_prompt": rows, **counts(rows, chain)})
+            alts.append({**w, "doctor": said, "captured": eng.captured(r), "per_prompt": rows, **counts(rows, chain)})
         r = result(eng, p, mine, plain, spec_r, alts, chain, max_new_tokens, target,
                    _asked(asked, eng.speculation(spec_r), engine_args) if asked is not None else None)
+        # the flags as served: serve-check adds the algorithm
+        r["draft"]["doctor"] = doctor_says(p.engine_dir, eng, p, engine_args and
+                                           "--speculative-algorithm EAGLE3 " + engine_args)
         r["settings"]["engine_cuda_graphs"] = not eager
         return r
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def doctor_says(d: Path, eng, p: Prepared, engine_args: str | None = None) -> dict:
+    """`eaglewire doctor`'s static verdict on a directory the engine is about to serve: its exit code and the
+    findings above info."""
+    from ..doctor.cli import diagnose
+    from ..doctor.subject import TargetFacts
+
+    r = diagnose(d, target=TargetFacts(fingerprint=p.fingerprint or {"num_layers": p.num_layers}), engine=eng.name,
+                 engine_version=eng.export_version, engine_args=engine_args)
+    return {"exit": r.exit_code, "findings": [f"{f.severity}:{f.code}" for f in r.findings if f.severity != "info"]}
 
 
 def _asked(run, resolved: dict | None, text: str) -> dict:
@@ -374,6 +397,10 @@ def render(r: dict) -> str:
         lines.append(f"{E} resolved: steps {sp['num_steps']}, topk {sp['eagle_topk']}, draft tokens "
                      f"{sp['num_draft_tokens']}; its counters: {sp['verify_steps']} verify steps, "
                      f"{f(sp['proposed_per_step'])} draft tokens proposed a step")
+    dr = r["draft"].get("doctor")
+    if dr:
+        lines.append(f"`eaglewire doctor` on what was served, before serving: exit {dr['exit']}"
+                     + (f" ({', '.join(dr['findings'])})" if dr["findings"] else ", nothing above info"))
     if ask:
         d = ask["doctor"]
         lines.append(f"--engine-args {ask['text']!r}: `eaglewire doctor` predicts steps {d['num_steps']}, topk "
@@ -383,19 +410,28 @@ def render(r: dict) -> str:
     if r["wirings"]:
         lines += ["", "the engine's acceptance with other ids (what `eaglewire doctor --probe` estimates; the difference "
                   "with its simultaneous 95% interval, paired over prompts):",
-                  f"  {E + ' ids':<16}{'captures':<16}{'seen':<16}{'accept-len':>10}  {'difference':<26}what"]
+                  f"  {E + ' ids':<16}{'captures':<16}{'seen':<16}{'accept-len':>10}  {'difference':<26}"
+                  f"{'doctor before serving':<28}what"]
         saw = seen["taps"] if seen else "-"
         lines.append(f"  {str(r['draft'].get('ids') or '-'):<16}{str(r['draft']['taps']):<16}{str(saw):<16}"
-                     f"{f(v['acceptance_length']):>10}  {'':<26}the draft's ids")
+                     f"{f(v['acceptance_length']):>10}  {'':<26}{said(r['draft'].get('doctor')):<28}the draft's ids")
         for w in r["wirings"]:
             dd = w["vs_draft_ids"]
             diff = f"{dd['difference']:+.2f} ({dd['interval'][0]:+.2f}..{dd['interval'][1]:+.2f})"
             saw = w["captured"]["taps"] if w.get("captured") else "-"
             lines.append(f"  {str(w['ids'] if w['ids'] is not None else 'not read'):<16}"
                          f"{str(w['taps'] if w['taps'] is not None else '-'):<16}{str(saw):<16}"
-                         f"{f(w['acceptance_length']):>10}  {diff:<26}{w['label']}")
+                         f"{f(w['acceptance_length']):>10}  {diff:<26}{said(w.get('doctor')):<28}{w['label']}")
     lines += ["", "ok" if r["ok"] else "NOT OK: see above"]
     return "\n".join(lines)
+
+
+def said(doctor: dict | None) -> str:
+    """The doctor's verdict in a table cell: its worst findings' codes, or clean."""
+    if not doctor:
+        return "-"
+    worst = [c for c in doctor["findings"] if c.startswith("error:")] or doctor["findings"]
+    return ", ".join(c.replace(":", " ", 1) for c in worst) or "clean"
 
 
 def plot(r: dict, out) -> Path:
