@@ -218,3 +218,51 @@ def test_train_failure_raises_with_the_log_tail(tmp_path):
     target = make_target(tmp_path / "target")
     with pytest.raises(RuntimeError, match=r"(?s)speculators train failed \(exit 1.*No module named speculators"):
         ps.train(tmp_path / "data", target, tmp_path / "out", seconds=1, python=sys.executable, device="cpu")
+
+
+FAKE_TRAINER = r'''#!{python}
+"""`python -m speculators train` as far as train() sees it: a step logged every 20 ms, an epoch saved every 10
+steps, and a SIGINT lost as speculators 0.9.0 lost one on an H200 (raised inside a log call, swallowed by
+logging, training going on)."""
+import json, signal, sys, time
+from pathlib import Path
+save = Path(sys.argv[sys.argv.index("--save-path") + 1])
+save.mkdir(parents=True)
+(save / "run.yaml").write_text("train:\n  epochs: 1000\n")
+def lost(*_):
+    print("WARNING  Received SIGINT — interrupting training to save checkpoint.", flush=True)
+    print("--- Logging error ---\nTraceback (most recent call last):\n  File \"rich/logging.py\", line 186\n"
+          "speculators.train.graceful_shutdown.TrainingInterruptedError: SIGINT", flush=True)
+signal.signal(signal.SIGINT, lost)
+for step in range(100000):
+    print(f"INFO train/loss={{10 / (step + 1):.3f}}, profile/step_ms=20.0, profile/tokens_per_s=1000.0, "
+          f"global_step={{step}}", flush=True)
+    if step % 10 == 9:
+        epoch = step // 10
+        print(f"INFO val/full_acc_0_epoch={{epoch / 1000:.3f}}, val/full_acc_1_epoch=0.1", flush=True)
+        (save / str(epoch)).mkdir()
+        (save / str(epoch) / "config.json").write_text(json.dumps({{"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}))
+        (save / str(epoch) / "model.safetensors").write_bytes(b"")
+    time.sleep(0.02)
+'''
+
+
+def test_a_sigint_speculators_loses_is_caught_and_the_row_is_the_epoch_saved_in_budget(tmp_path):
+    """speculators 0.9.0 on an H200 (2026-12-03): SIGINT at the budget, its TrainingInterruptedError raised inside
+    a log call (graceful_shutdown.py:115) and swallowed by logging; it trained on to its 20th epoch, 70 s past the
+    budget, and the harness reported the last epoch as if trained for the budget. Now the harness sees the lost
+    interrupt, stops the trainer, and keeps the last epoch saved within the budget, counted to that epoch."""
+    py = tmp_path / "python"
+    py.write_text(FAKE_TRAINER.format(python=sys.executable))
+    py.chmod(0o755)
+    target = make_target(tmp_path / "target")
+    (tmp_path / "data").mkdir()
+    r = ps.train(tmp_path / "data", target, tmp_path / "out", seconds=1.0, python=str(py), device="cpu", poll_s=0.02)
+    assert not r["interrupted"] and "swallowed by logging" in r["interrupt_lost"]
+    saved_at = {int(d.name) for d in (tmp_path / "out" / "checkpoints").glob("[0-9]*")}
+    epoch = int(r["checkpoint"].name)
+    assert max(saved_at) - epoch <= 5  # stopped soon after the lost SIGINT, not left to its 1,000 epochs
+    # the kept epoch is the last saved before the 1 s budget, its row counted to there only
+    assert 0 < r["train_s"] <= 1.5 and r["steps"] == 10 * (epoch + 1)
+    assert r["own_validation"]["full_acc"] == [pytest.approx(epoch / 1000), 0.1]
+    assert r["tokens"] == 20 * r["steps"]

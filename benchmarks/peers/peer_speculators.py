@@ -270,6 +270,24 @@ def _steps(log: str) -> dict:
             "loss_last": losses[-1] if losses else None, "tokens": tokens or None}
 
 
+# speculators' SIGINT handler raises TrainingInterruptedError wherever the main thread is
+# (train/graceful_shutdown.py:111-115); inside a log call, logging's handleError swallows it, prints
+# "--- Logging error ---", and training goes on to its last epoch (seen on an H200, 2026-12-03: with
+# log_freq 1 the trainer is logging most of the time).
+_LOST = re.compile(r"--- Logging error ---[\s\S]{0,8000}?TrainingInterruptedError")
+LOST_WHY = ("its TrainingInterruptedError was raised inside a log call and swallowed by logging "
+            "(graceful_shutdown.py:115)")
+_VAL = re.compile(r"val/full_acc_(\d+)_epoch=([-+0-9.e]+)")
+
+
+def _validation(log: str) -> dict | None:
+    """speculators' own last validation (its held-out last 10% of rows): full accuracy by TTT step."""
+    last = {}
+    for k, v in _VAL.findall(log):
+        last[int(k)] = float(v)
+    return {"full_acc": [last[k] for k in sorted(last)]} if last else None
+
+
 def _final_epoch(save: Path) -> Path | None:
     """The last epoch's checkpoint once every epoch has run (train/trainer.py:736-744), else None."""
     if not (save / "run.yaml").is_file():
@@ -314,15 +332,25 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(env, device, out),
                                 start_new_session=True)  # our own Ctrl-C must not reach it twice
-    first = sigint = None
+    first = sigint = lost = None
+    marks = {}  # epoch checkpoint -> (when the poll first saw it, the log's length then)
     try:
         while proc.poll() is None:
             now = time.perf_counter()
-            if first is None and _STEP.search(log_path.read_text(errors="replace")):
+            text = log_path.read_text(errors="replace")
+            if first is None and _STEP.search(text):
                 first = now
+            for d in save.glob("[0-9]*"):  # one a finished epoch (train/trainer.py:736-744)
+                if d.name not in marks and (d / "model.safetensors").is_file():
+                    marks[d.name] = (now, len(text))
             if first is not None and sigint is None and now - first >= seconds and _final_epoch(save) is None:
                 proc.send_signal(signal.SIGINT)  # the trainer saves `interrupted/` (graceful_shutdown.py:140-168)
-                sigint = now
+                sigint, at_sigint = now, len(text)
+            if sigint is not None and _LOST.search(text, at_sigint):
+                lost = now  # it trains on: stop it, and keep the last epoch saved within the budget
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
             if sigint is not None and now - sigint > SAVE_TIMEOUT_S:
                 raise RuntimeError(f"speculators did not exit {SAVE_TIMEOUT_S} s after SIGINT")
             time.sleep(poll_s)
@@ -333,6 +361,24 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
         raise
     end = time.perf_counter()
     text = log_path.read_text(errors="replace")
+    first = first if first is not None else end  # it finished between two polls
+    if lost is not None:
+        within = [k for k, (t, _) in marks.items() if t <= sigint]
+        if not within:
+            raise RuntimeError(f"speculators lost the SIGINT ({LOST_WHY}) before its first epoch was saved; "
+                               f"give it more time; {log_path}")
+        ckpt = save / max(within, key=int)
+        done, upto = marks[ckpt.name]
+        settings = _settings(save / "run.yaml")
+        config = json.loads((ckpt / "config.json").read_text())
+        settings["target_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
+        settings["draft_vocab_size"] = config.get("draft_vocab_size")
+        return {"checkpoint": ckpt, **_steps(text[:upto]), "train_s": round(done - first, 2),
+                "startup_s": round(first - t0, 2), "save_s": None, "interrupted": False,
+                "interrupt_lost": f"{LOST_WHY}: the row is epoch {int(ckpt.name) + 1}'s checkpoint, the last saved "
+                                  f"within the budget; the process was killed {lost - sigint:.0f} s after the SIGINT",
+                "own_validation": _validation(text[:upto]), "settings": settings, "command": argv,
+                "log": str(log_path)}
     # The interrupt's save; or, when every epoch ran within the budget, the last epoch's (a SIGINT
     # that lands after run_training has returned ends the process with -2: nothing is lost then).
     interrupted, final = save / "interrupted", _final_epoch(save)
@@ -341,13 +387,13 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
     if ckpt is None or not ok:
         raise RuntimeError(f"speculators train failed (exit {proc.returncode}"
                            f"{', no checkpoint in ' + str(save) if ckpt is None else ''}); {log_path}:\n{_tail(text)}")
-    first = first if first is not None else end  # it finished between two polls
     settings = _settings(save / "run.yaml")
     config = json.loads((ckpt / "config.json").read_text())  # as the model resolved them
     settings["target_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
     settings["draft_vocab_size"] = config.get("draft_vocab_size")
     return {"checkpoint": ckpt, **_steps(text), "train_s": round((sigint or end) - first, 2),
             "startup_s": round(first - t0, 2), "save_s": round(end - (sigint or end), 2),
+            "own_validation": _validation(text),
             "interrupted": ckpt.name == "interrupted", "settings": settings, "command": argv, "log": str(log_path)}
 
 

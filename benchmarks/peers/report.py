@@ -43,7 +43,10 @@ def rows(meta: dict, r: dict) -> list[dict]:
                "gpu_min_with_capture": (cap or 0) + train_min if train_min is not None else None,
                "steps": tr.get("steps"), "tokens_per_s": tr.get("tokens_per_s") or (
                    tr["tokens"] / tr["train_s"] if tr.get("tokens") and tr.get("train_s") else None),
-               "settings": tr.get("settings"),
+               "settings": tr.get("settings"), "interrupt_lost": tr.get("interrupt_lost"),
+               # each trainer's own held-out accuracy by draft step, on its own split (not comparable row to row
+               # as acc@1 is): eaglewire's eval fraction, speculators' last 10% of rows
+               "own_validation": (_get(tr, "heldout", "acc") or _get(tr, "own_validation", "full_acc")),
                "acc1": _get(r, "eval", "held-out", "rows", name, "acc1"), "suites": {}}
         for s in meta["suites"]:
             ev = _get(r, "eval", s, "rows", name) or {}
@@ -73,6 +76,13 @@ def markdown(meta: dict, table: list[dict], r: dict) -> str:
         lines.append(f"| {NAMES[x['trainer']]} | {_f(x['capture_min'])} | {_f(x['train_min'])} | "
                      f"{_f(x['startup_min'])} | {_f(x['steps'], 'd')} | "
                      f"{_f(x['tokens_per_s'], ',.0f')} | {_f(x['acc1'], '.3f')} |")
+    own = [x for x in table if x["own_validation"]]
+    if own:
+        lines += ["", "Each trainer's own held-out accuracy by draft step, on its own split (eaglewire: 2% of its "
+                  "samples; speculators: its last 10% of rows), as it logged it:", ""]
+        lines += [f"- {NAMES[x['trainer']]}: " + ", ".join(f"{a:.3f}" for a in x["own_validation"]) for x in own]
+    lines += [f"- {NAMES[x['trainer']]}: the budget's interrupt was lost ({x['interrupt_lost']})"
+              for x in table if x["interrupt_lost"]]
     lines += ["", "Acceptance length (tokens a verify step, the bonus token included):", ""]
     head = "| trainer | " + " | ".join(f"{s}: eaglewire | {s}: vLLM | {s}: SGLang" for s in meta["suites"]) + " |"
     lines += [head, "|---|" + "---|" * (3 * len(meta["suites"]))]
