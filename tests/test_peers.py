@@ -113,3 +113,27 @@ def test_bad_arguments_are_one_line_usage_errors(capsys):
     assert "medusa" in capsys.readouterr().err
     assert run.main(["--work", "w", "--minutes", "0"]) == 2
     assert run.main(["--work", "w", "--prompts", "0"]) == 2
+
+
+def test_a_variant_is_one_more_eaglewire_row_with_its_fields_changed(monkeypatch, tmp_path):
+    """--variant ttt3:ttt_steps=3,ttt_decay=1.0 (speculators' 3 equally weighted TTT steps) trains eaglewire's
+    row again with those fields, under its own name, after --set's."""
+    a = run.parse(["--work", str(tmp_path), "--set", "lr=0.002", "--variant", "ttt3:ttt_steps=3,ttt_decay=1.0"])
+    assert a.trainers == ["eaglewire", "speculators", "specforge", "eaglewire-ttt3"]
+    assert run.parse(["--work", "w", "--trainers", "speculators", "--variant", "x:lr=1"]).trainers == ["speculators"]
+    assert run.parse(["--work", "w", "--trainers", "eaglewire-x", "--variant", "x:lr=1"]).trainers == ["eaglewire-x"]
+    seen = {}
+
+    def fake_run(argv, log, env=None):
+        seen["argv"] = [str(x) for x in argv]
+        js = argv[argv.index("--json") + 1]
+        Path(js).write_text(json.dumps({"checkpoint": "c", "steps": 1, "train_s": 1.0}))
+
+    monkeypatch.setattr(run, "_run", fake_run)
+    run.train_one(run.Work(tmp_path), a, "eaglewire-ttt3")
+    sets = [seen["argv"][i + 1] for i, x in enumerate(seen["argv"]) if x == "--set"]
+    assert sets == ["lr=0.002", "ttt_steps=3", "ttt_decay=1.0"]
+    assert seen["argv"][seen["argv"].index("--out") + 1].endswith("trained/eaglewire-ttt3")
+    for bad in ("ttt3", "ttt3:", "t t:lr=1", "x:lr"):
+        with pytest.raises(run.UsageError, match="--variant"):
+            run.parse(["--work", "w", "--variant", bad])

@@ -12,6 +12,10 @@ from eaglewire.files import atomic_write, write_json
 NAMES = {"eaglewire": "eaglewire", "speculators": "speculators 0.9.0", "specforge": "SpecForge 0.2.0"}
 
 
+def name(trainer: str) -> str:
+    return NAMES.get(trainer, trainer)  # eaglewire-NAME: a variant of eaglewire's row
+
+
 def _f(x, fmt=".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -73,15 +77,15 @@ def markdown(meta: dict, table: list[dict], r: dict) -> str:
              "| trainer | capture min | training min | start-up min | steps | training tokens/s | held-out acc@1 |",
              "|---|---|---|---|---|---|---|"]
     for x in table:
-        lines.append(f"| {NAMES[x['trainer']]} | {_f(x['capture_min'])} | {_f(x['train_min'])} | "
+        lines.append(f"| {name(x['trainer'])} | {_f(x['capture_min'])} | {_f(x['train_min'])} | "
                      f"{_f(x['startup_min'])} | {_f(x['steps'], 'd')} | "
                      f"{_f(x['tokens_per_s'], ',.0f')} | {_f(x['acc1'], '.3f')} |")
     own = [x for x in table if x["own_validation"]]
     if own:
         lines += ["", "Each trainer's own held-out accuracy by draft step, on its own split (eaglewire: 2% of its "
                   "samples; speculators: its last 10% of rows), as it logged it:", ""]
-        lines += [f"- {NAMES[x['trainer']]}: " + ", ".join(f"{a:.3f}" for a in x["own_validation"]) for x in own]
-    lines += [f"- {NAMES[x['trainer']]}: the budget's interrupt was lost ({x['interrupt_lost']})"
+        lines += [f"- {name(x['trainer'])}: " + ", ".join(f"{a:.3f}" for a in x["own_validation"]) for x in own]
+    lines += [f"- {name(x['trainer'])}: the budget's interrupt was lost ({x['interrupt_lost']})"
               for x in table if x["interrupt_lost"]]
     lines += ["", "Acceptance length (tokens a verify step, the bonus token included):", ""]
     head = "| trainer | " + " | ".join(f"{s}: eaglewire | {s}: vLLM | {s}: SGLang" for s in meta["suites"]) + " |"
@@ -91,7 +95,7 @@ def markdown(meta: dict, table: list[dict], r: dict) -> str:
         for s in meta["suites"]:
             c = x["suites"][s]
             cells += [_f(c["eaglewire_decoder"], ".3f"), _f(c["vllm"], ".3f"), _f(c["sglang"], ".3f")]
-        lines.append(f"| {NAMES[x['trainer']]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name(x['trainer'])} | " + " | ".join(cells) + " |")
     base = next((x for x in table if x["trainer"] == "eaglewire"), None)
     if base:
         lines += ["", "eaglewire's decoder, paired over the same prompts and tokens (difference with its "
@@ -100,7 +104,7 @@ def markdown(meta: dict, table: list[dict], r: dict) -> str:
             for s in meta["suites"]:
                 d = x["suites"][s]["vs_base"]
                 if d and d.get("difference") is not None:
-                    lines.append(f"- {s}: {NAMES[x['trainer']]} {d['difference']:+.3f} "
+                    lines.append(f"- {s}: {name(x['trainer'])} {d['difference']:+.3f} "
                                  f"({d['interval'][0]:+.3f}..{d['interval'][1]:+.3f}) against eaglewire, "
                                  f"{100 * d['relative']:+.1f}%")
     if any(x["vllm_tokens_per_s"] for x in table):
@@ -110,9 +114,9 @@ def markdown(meta: dict, table: list[dict], r: dict) -> str:
                   "| trainer | tokens/s with the draft | speed-up |", "|---|---|---|"]
         for x in table:
             v = x["vllm_tokens_per_s"]
-            lines.append(f"| {NAMES[x['trainer']]} | {_f(v, ',.0f')} | "
+            lines.append(f"| {name(x['trainer'])} | {_f(v, ',.0f')} | "
                          f"{_f(v / none if v and none else None)}x |")
-    served = [f"- {NAMES[x['trainer']]}: " + "; ".join(f"{e}: {h}" for e, h in x["served"].items() if h)
+    served = [f"- {name(x['trainer'])}: " + "; ".join(f"{e}: {h}" for e, h in x["served"].items() if h)
               for x in table if any(x["served"].values())]
     if served:
         lines += ["", "What each engine loaded:", ""] + served
@@ -122,7 +126,7 @@ def markdown(meta: dict, table: list[dict], r: dict) -> str:
                   "the engine it is made for:", ""]
         for x in docs:
             d = x["doctor"]
-            lines.append(f"- {NAMES[x['trainer']]} ({d['engine']}): " + "; ".join(
+            lines.append(f"- {name(x['trainer'])} ({d['engine']}): " + "; ".join(
                 f"{v}: ids {r['engine_ids']}, {r['verdict']}, exit {r['exit']}" for v, r in d.items() if v != "engine"))
     return "\n".join(lines) + "\n"
 
@@ -138,7 +142,7 @@ def plot(meta: dict, table: list[dict], out: Path) -> Path:
     width = 0.8 / max(1, len(table))
     for i, x in enumerate(table):
         vals = [x["suites"][s][e] or 0 for s, e in cols]
-        ax.bar([j + i * width for j in range(len(cols))], vals, width=width, label=NAMES[x["trainer"]])
+        ax.bar([j + i * width for j in range(len(cols))], vals, width=width, label=name(x["trainer"]))
     ax.set_xticks([j + width * (len(table) - 1) / 2 for j in range(len(cols))])
     ax.set_xticklabels([f"{s}\n{e.split('_')[0]}" for s, e in cols], fontsize=7)
     ax.set(ylabel="acceptance length", title=f"{meta['minutes']:g} training minutes each")
@@ -148,7 +152,7 @@ def plot(meta: dict, table: list[dict], out: Path) -> Path:
     for x in table:
         pos = x["suites"][s]["by_position"]
         if pos:
-            bx.plot(range(1, len(pos) + 1), pos, marker="o", label=NAMES[x["trainer"]])
+            bx.plot(range(1, len(pos) + 1), pos, marker="o", label=name(x["trainer"]))
     bx.set(xlabel="draft position", ylabel="accepted (share of rounds)", ylim=(0, 1),
            title=f"{s}: eaglewire's decoder, by position")
     bx.legend(fontsize=7)

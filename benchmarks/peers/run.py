@@ -4,7 +4,7 @@ the same data and the same training minutes, each draft served as it comes out o
     python benchmarks/peers/run.py --work DIR [--target smollm2-135m] [--conversations 5000] [--minutes 4]
         [--trainers eaglewire,speculators,specforge] [--suites mt-bench,humaneval] [--prompts 80]
         [--new-tokens 256] [--chain 7] [--engines vllm,sglang] [--speed-prompts 20] [--peer-python PY]
-        [--conversations-file FILE] [--stages replies,capture,...] [--device cuda]
+        [--conversations-file FILE] [--stages replies,capture,...] [--device cuda] [--variant NAME:FIELD=VALUE,...]
 
 Stages, each one's result kept in DIR/stages/ so that a rerun goes on where the last stopped:
     replies   the target's own replies to ShareGPT's first turns (`recipe full --mode replies`), or a file
@@ -50,11 +50,16 @@ from peers import features, measure, report  # noqa: E402
 STAGES = ("replies", "capture", "train", "import", "doctor", "eval", "serve", "speed", "report")
 TRAINERS = ("eaglewire", "speculators", "specforge")
 PEERS = ("speculators", "specforge")
+OURS = "eaglewire"  # and its variants, eaglewire-NAME (--variant): the same trainer with other settings
 # The engine each peer's output is made for: speculators' for vLLM (its loader), SpecForge's HF export for SGLang
 # (LlamaForCausalLMEagle3, its ids nested as SGLang reads them). The doctor examines each for that engine.
 HOME_ENGINE = {"speculators": "vllm", "specforge": "sglang"}
 HELDOUT = 0.02  # share of the conversations no trainer sees (acc@1), by a hash of their text
 MIN_HELDOUT = 4
+
+
+def ours(name: str) -> bool:
+    return name == OURS or name.startswith(OURS + "-")
 
 
 def say(msg: str) -> None:
@@ -170,11 +175,11 @@ def train_one(w: Work, a, name: str) -> dict:
     out = w / "trained" / name
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    if name == "eaglewire":
-        js = w / "logs" / "train-eaglewire.json"
+    if ours(name):
+        js = w / "logs" / f"train-{name}.json"
         _run([sys.executable, Path(__file__).with_name("train_eaglewire.py"), "--target", a.target, "--data",
               w / "features" / "eaglewire", "--out", out, "--seconds", seconds, "--device", a.device, "--json", js,
-              *[x for s in a.set for x in ("--set", s)]], w / "logs" / "train-eaglewire.log")
+              *[x for s in a.set + a.variants.get(name, []) for x in ("--set", s)]], w / "logs" / f"train-{name}.log")
         r = json.loads(js.read_text())
     else:
         own = dict(extra_args=a.speculators_args) if name == "speculators" else dict(
@@ -203,7 +208,7 @@ def stage_import(w: Work, a, trained: dict) -> dict:
     out = {}
     for name in a.trainers:
         raw = Path(trained[name]["checkpoint"])
-        if name == "eaglewire":
+        if ours(name):
             out[name] = {"raw": str(raw), "native": str(raw), "how": "native"}
             continue
         native = w / "native" / name
@@ -236,7 +241,7 @@ def stage_doctor(w: Work, a, imported: dict) -> dict:
     tgt = targets.load_target(a.target, device=a.device)
     out = {}
     for name in a.trainers:
-        if name == "eaglewire":
+        if ours(name):
             continue
         raw, engine = Path(imported[name]["raw"]), HOME_ENGINE[name]
         rows = {"engine": engine}
@@ -290,7 +295,7 @@ def served_dir(w: Work, engine: str, name: str, imp: dict, num_layers: int) -> t
 
     raw = Path(imp["raw"])
     trained = tuple(checkpoint.load_meta(imp["native"]).contract.taps)
-    if name != "eaglewire":
+    if not ours(name):
         view = interop.read_engine_view(raw, engine, num_layers=num_layers)
         if view.recognised and view.captured_taps is not None and tuple(view.captured_taps) == trained:
             return raw, "as its tool wrote it"
@@ -424,6 +429,9 @@ def parse(argv=None):
                    help="SpecForge's draft vocabulary (default its 32,000; a toy target needs fewer)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a training field of eaglewire's row (its ablations)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,FIELD=VALUE...]",
+                   help="one more eaglewire row, eaglewire-NAME, trained with these fields changed (an ablation "
+                        "toward a peer's settings, e.g. ttt3:ttt_steps=3,ttt_decay=1.0)")
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--device", default="cuda")
     a = p.parse_args(argv)
@@ -431,7 +439,16 @@ def parse(argv=None):
         setattr(a, field, [x for x in getattr(a, field).split(",") if x])
     a.speculators_args = shlex.split(a.speculators_args)
     a.peer_env = dict(kv.split("=", 1) for kv in a.peer_env if "=" in kv)
-    bad = [t for t in a.trainers if t not in TRAINERS] + [s for s in a.stages if s not in STAGES]
+    a.variants = {}
+    for v in a.variant:
+        name, _, sets = v.partition(":")
+        fields = [x for x in sets.split(",") if x]
+        if not name.replace("_", "").isalnum() or not fields or not all("=" in x for x in fields):
+            raise UsageError(f"--variant {v!r}: NAME:FIELD=VALUE[,FIELD=VALUE...], e.g. ttt3:ttt_steps=3,ttt_decay=1.0")
+        a.variants[f"{OURS}-{name}"] = fields
+    if OURS in a.trainers:  # the variants run with eaglewire's row (or alone: --trainers eaglewire-NAME)
+        a.trainers += [t for t in a.variants if t not in a.trainers]
+    bad = [t for t in a.trainers if t not in TRAINERS and t not in a.variants] + [s for s in a.stages if s not in STAGES]
     if bad:
         raise UsageError(f"unknown trainer or stage {bad}: trainers {', '.join(TRAINERS)}; stages {', '.join(STAGES)}")
     for name in ("conversations", "prompts", "new_tokens", "chain", "max_len", "probe", "speed_prompts"):
