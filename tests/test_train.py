@@ -574,3 +574,50 @@ def test_init_from_with_more_layers_deepens_the_draft_from_where_it_was(target, 
     before, after = load_file(str(base / "model.safetensors")), load_file(str(root / "deepen-3l" / "model.safetensors"))
     assert {k for k in after if k.startswith("layers.2.")} and torch.equal(before["d2t"], after["d2t"])
     assert deep.metrics["heldout"]["positions"] > 0
+
+
+def test_muon_trains_the_hidden_matrices_adamw_the_rest_and_its_state_resumes(target, data, root):
+    """--optimizer muon, speculators' default (its train/trainer.py builds Muon for the draft's 2-D hidden weights,
+    AdamW for the rest): the draft learns, and a resume state carries both optimizers' moments."""
+    from eaglewire import parallel
+    from eaglewire.train import state as train_state
+    from eaglewire.train.trainer import optimizers
+
+    r = train(TrainConfig(steps=40, draft_vocab_size=64, optimizer="muon", **FAST), target, data,
+              out=root / "muon", progress=False)
+    evals = records(root / "muon", "eval")
+    assert evals[-1]["acc"][0] > evals[0]["acc"][0] + 0.2 and r.metrics["heldout"]["acceptance_length"] > 1.0
+    assert load_draft(root / "muon")[1].training["config"]["optimizer"] == "muon"
+
+    draft, _ = load_draft(root / "muon")
+    cfg = TrainConfig(optimizer="muon", weight_decay=0.01, **FAST)
+    names = {id(p): n for n, p in draft.named_parameters()}
+    muon, adamw = optimizers(draft, cfg, torch.device("cpu"))
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    on_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    on_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert "fc.weight" in on_muon and any("q_proj" in n for n in on_muon)
+    assert "lm_head.weight" in on_adamw and not any("norm" in n for n in on_muon)
+    trained = {n for n, p in draft.named_parameters() if p.requires_grad}
+    assert on_muon | on_adamw == trained and not on_muon & on_adamw
+    assert [type(o) for o in optimizers(draft, TrainConfig(**FAST), torch.device("cpu"))] == [torch.optim.AdamW]
+
+    def step(model, opts):
+        torch.manual_seed(1)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.randn_like(p)
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+    step(draft, (muon, adamw))
+    model_sd, optim_sd = parallel.full_state(draft, [muon, adamw])
+    train_state.save_state(root / "muon-state", model_sd, optim_sd, {"cpu": torch.get_rng_state()}, {"step": 1})
+    again, _ = load_draft(root / "muon")
+    opts = optimizers(again, cfg, torch.device("cpu"))
+    model_sd, optim_sd, _, _ = train_state.load_state(root / "muon-state")
+    parallel.load_full_state(again, opts, model_sd, optim_sd)
+    step(draft, (muon, adamw))
+    step(again, opts)
+    assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), again.state_dict().values()))

@@ -14,6 +14,7 @@ from ..draft import DraftConfig
 from ..errors import UsageError
 
 LOSSES = ("soft-ce", "kl")  # see ttt.py
+OPTIMIZERS = ("adamw", "muon")  # muon: torch.optim.Muon on the draft's hidden matrices, AdamW on the rest
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak, the denominator of the reported MFU
 
 
@@ -31,6 +32,7 @@ class TrainConfig:
     warmup_steps: int | None = None  # default: 2% of the steps
     weight_decay: float = 0.0  # on matrices only, never on norms
     betas: tuple[float, float] = (0.9, 0.95)
+    optimizer: str = "adamw"
     clip_grad: float = 0.5  # max global grad norm; 0 = off
     ttt_steps: int = 7
     ttt_decay: float = 0.8
@@ -89,6 +91,8 @@ class TrainConfig:
             raise UsageError("--weight-decay, --clip-grad and --regen-temperature must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             bad("betas", "must be two numbers in [0, 1)")
+        if self.optimizer not in OPTIMIZERS:
+            bad("optimizer", f"must be one of {list(OPTIMIZERS)}")
         if self.loss not in LOSSES:
             bad("loss", f"must be one of {list(LOSSES)}")
         if self.dtype not in ("auto", "fp32", "bf16"):

@@ -48,6 +48,28 @@ class TrainResult:
     metrics: dict
 
 
+def optimizers(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> list[torch.optim.Optimizer]:
+    """AdamW over every trained parameter, weight decay on matrices only; or with --optimizer muon (speculators'
+    default, its train/trainer.py), Muon over the hidden matrices (fc, attention, MLP) and AdamW over the rest:
+    the lm_head and the norms. Muon scales its update to AdamW's RMS (adjust_lr_fn "match_rms_adamw", as
+    speculators sets it), so --lr means the same under both."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    hidden = [p for n, p in named if p.dim() == 2 and "lm_head" not in n and "embed" not in n]
+    mine = {id(p) for p in hidden} if cfg.optimizer == "muon" else set()
+    rest = [p for _, p in named if id(p) not in mine]
+    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr,
+                              betas=cfg.betas, fused=device.type == "cuda" or None)
+    if not mine:
+        return [adamw]
+    if not hasattr(torch.optim, "Muon"):
+        raise UsageError(f"--optimizer muon needs torch.optim.Muon (torch 2.9 or later); this torch is "
+                         f"{torch.__version__}")
+    muon = torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True,
+                            adjust_lr_fn="match_rms_adamw")
+    return [muon, adamw]
+
+
 class _Run:
     def __init__(self, cfg: TrainConfig, target, data, out: Path, resume: bool, progress: bool, dist: Dist,
                  t_start: float):
@@ -73,11 +95,7 @@ class _Run:
         self.inner = TTTModel(self.draft, self.spec)
         self.model = parallel.wrap(self.inner, self.dist, cfg.fsdp)
         self.params = [p for p in self.inner.parameters() if p.requires_grad]
-        decay = [p for p in self.params if p.dim() >= 2]
-        flat = [p for p in self.params if p.dim() < 2]
-        self.optim = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                        {"params": flat, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas,
-                                       fused=self.device.type == "cuda" or None)
+        self.optims = optimizers(self.inner, cfg, self.device)
         self.schedule = train_data.Schedule(self.train_idx, self.corpus.lengths, cfg.seed, cfg.batch_tokens,
                                             cfg.batch_size, cfg.grad_accum * self.dist.world)
         self.total = self.schedule.total_steps(cfg.epochs, cfg.steps)
@@ -220,7 +238,7 @@ class _Run:
                 "target": self.target.fingerprint, "world": self.dist.world, "split": train_data.SPLIT_RULE}
 
     def save(self, step: int, acc: dict) -> None:
-        model_sd, optim_sd = parallel.full_state(self.inner, self.optim)  # a collective under FSDP: all ranks call
+        model_sd, optim_sd = parallel.full_state(self.inner, self.optims)  # a collective under FSDP: all ranks call
         if self.dist.main:
             meta = {"step": step, "identity": self._identity(), "acc_denom": acc["denom"],
                     "acc_tokens": acc["tokens"], "total_steps": self.total,
@@ -233,6 +251,9 @@ class _Run:
     def load(self) -> tuple[int, dict]:
         model_sd, optim_sd, rng, meta = train_state.load_state(self.out)
         want, found = self._identity(), meta["identity"]
+        # a state saved before a field existed ran with that field's default
+        found["config"] = {**{k: v for k, v in TrainConfig().to_dict().items() if k in want["config"]},
+                           **found.get("config", {})}
         diffs = [k for k in want if json.dumps(want[k], sort_keys=True) != json.dumps(found.get(k), sort_keys=True)]
         if diffs:
             detail = [f"config.{f}" for f in want["config"] if want["config"][f] != found["config"].get(f)] \
@@ -240,7 +261,7 @@ class _Run:
                    if k != "config"]
             raise UsageError(f"--out {self.out}: the unfinished run there differs in {', '.join(detail)}; resume "
                              "with the same target, data and settings, or choose another --out")
-        parallel.load_full_state(self.inner, self.optim, model_sd, optim_sd)
+        parallel.load_full_state(self.inner, self.optims, model_sd, optim_sd)
         train_state.set_rng_state(rng, self.device)
         acc = {"counts": rng["acc_counts"].to(self.device), "denom": meta["acc_denom"], "tokens": meta["acc_tokens"]}
         self.horizon = int(meta.get("horizon", self.total))
@@ -312,10 +333,11 @@ class _Run:
         norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.clip_grad if cfg.clip_grad > 0 else float("inf"))
         self.norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
         self.bad |= ~torch.isfinite(self.norm)
-        for g in self.optim.param_groups:
-            g["lr"] = lr_at(cfg, step, self.total, self.horizon)
-        self.optim.step()
-        self.optim.zero_grad(set_to_none=True)
+        for o in self.optims:
+            for g in o.param_groups:
+                g["lr"] = lr_at(cfg, step, self.total, self.horizon)
+            o.step()
+            o.zero_grad(set_to_none=True)
         tokens = sum(self.corpus.lengths[i] for mb in group for i in mb)
         acc["denom"] += denom
         acc["tokens"] += tokens
@@ -486,6 +508,8 @@ def register(sub) -> None:
                    "--time-budget-s, of those the clock is estimated to allow)")
     g.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (default 0)")
     g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="AdamW betas (default 0.9 0.95)")
+    g.add_argument("--optimizer", choices=["adamw", "muon"],
+                   help="adamw (default), or muon on the hidden matrices and AdamW on the rest (speculators')")
     g.add_argument("--clip-grad", type=float, help="max gradient norm, 0 = off (default 0.5)")
     g.add_argument("--max-len", type=int, help="tokens per sample (default 2048)")
     g.add_argument("--time-budget-s", type=float, help="stop early (and save) after this many training seconds")
