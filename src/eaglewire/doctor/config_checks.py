@@ -176,6 +176,12 @@ def _against_tensors(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
                        "layers.0.self_attn.k_proj.weight", False))
     if "embed_tokens.weight" in t:  # loaded before the engine swaps in the target's (SGLang set_embed)
         checks.append(("vocab_size", V, rows("embed_tokens.weight"), "embed_tokens.weight", True))
+    stored = {int(k.split(".")[1]) for k in t if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    n = engine_value(layer, "num_hidden_layers")
+    if stored and _is_int(n) and n != max(stored) + 1:
+        # SGLang llama_eagle3.py:193 / vLLM llama_eagle3.py:172 build num_hidden_layers layers: SGLang leaves
+        # layers without weights at their random initialisation, vLLM's loader refuses unloaded parameters
+        checks.append(("num_hidden_layers", n, max(stored) + 1, "the stored layers.N.* count", True))
     seen = set()
     for field, want, got, evidence, settable in checks:
         if got is None or want is MISSING or want == got or field in seen:
@@ -184,9 +190,13 @@ def _against_tensors(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
         absent = field in LLAMA_DEFAULTS and field not in layer
         said = (f"{prefix}{field} is absent (LlamaConfig's default {want})" if absent
                 else f"{prefix}{field} is {want}")
-        out.append(finding("CONFIG_SHAPE", "error",
-                           f"{said}, but {evidence} is {got} wide: {engine_name(ctx)} builds that parameter from the "
-                           "config and refuses the stored tensor at load (its weight loader asserts equal shapes)",
+        what = (f"the directory holds {got} draft layer(s): {engine_name(ctx)} builds {want}, and "
+                + ("leaves the ones without weights at random initialisation" if ctx.engine == "sglang" and want > got
+                   else "drops the extra ones" if ctx.engine == "sglang" else "refuses parameters it cannot load")
+                if field == "num_hidden_layers" else
+                f"{evidence} is {got} wide: {engine_name(ctx)} builds that parameter from the config and refuses "
+                "the stored tensor at load (its weight loader asserts equal shapes)")
+        out.append(finding("CONFIG_SHAPE", "error", f"{said}, but {what}",
                            "state the size the tensors have" if settable else
                            "state num_attention_heads, num_key_value_heads and head_dim as the draft was built",
                            Remedy(config_set={prefix + field: got}) if settable else None))
@@ -199,7 +209,7 @@ def _recorded_fields(c) -> dict:
     """The engine-read fields of a DraftConfig, in config.json's names."""
     return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim, "num_hidden_layers": c.num_layers, "vocab_size": c.vocab_size,
+            "head_dim": c.head_dim, "vocab_size": c.vocab_size,
             "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
             "hidden_act": c.hidden_act}
 
@@ -208,7 +218,7 @@ def _against_record(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
     """An export carries the DraftConfig it was trained with; a field edited since runs other arithmetic."""
     s = ctx.subject
     if not s.recorded or s.config is None:
-        return _reading_differs(ctx, layer, prefix)
+        return []  # a foreign draft's config is read from this very file: nothing to compare
     out = []
     for field, want in _recorded_fields(s.config).items():
         got = engine_value(layer, field)
@@ -239,19 +249,6 @@ def _against_record(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
     return out
 
 
-def _reading_differs(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
-    """No record: eaglewire's own reading (import, the probe) of rope theta against the engine's."""
-    s = ctx.subject
-    theta, where, _ = _rope(layer)
-    if s.config is None or not _is_num(theta) or _same(theta, s.config.rope_theta):
-        return []
-    return [finding("CONFIG_DRIFT", "warning", f"{prefix}rope_theta is {layer.get('rope_theta')!r} and {prefix}"
-                    f"{where} is {theta!r}: {engine_name(ctx)} uses {theta!r} (transformers puts rope_parameters "
-                    f"first), eaglewire's import and probe read {s.config.rope_theta!r}; nothing records which one "
-                    "the draft was trained with", "delete the one that is wrong; the probe measures the draft with "
-                    f"eaglewire's reading (`{' '.join(probe_command(ctx))}`)")]
-
-
 def _same(a, b) -> bool:
     if _is_num(a) and _is_num(b):
         return abs(float(a) - float(b)) <= 1e-9 * max(abs(float(a)), abs(float(b)), 1e-30)
@@ -271,7 +268,6 @@ def _consequence(field: str) -> str:
             "max_position_embeddings": "the engine sizes the draft's rotary cache (SGLang) or caps its max_model_len "
                                        "(vLLM) from it",
             "hidden_act": "the draft's MLP runs another activation",
-            "num_hidden_layers": "the engine builds another number of draft layers (WEIGHTS_DROPPED lists the names)",
             }.get(field, "the engine builds the draft with other shapes than it was trained with")
 
 
