@@ -203,6 +203,40 @@ def test_import_reads_rope_theta_as_the_engines_do(tmp_path):
     assert not [c for c in r.codes() if c.startswith("CONFIG_")], r.findings
 
 
+def foreign_with_target(tmp_path, fn=None):
+    """An SGLang export without its eaglewire record (as a draft from another trainer arrives), with the tiny
+    llama target loaded (rope_theta 10000, eps 1e-6, 256 positions: what the tiny draft was made with)."""
+    from eaglewire.targets import Target, fingerprint
+    from tiny import tiny_model
+
+    out = export(tmp_path, "sglang")
+    edit(out, lambda c: (c.pop("eaglewire"), fn(c) if fn else None))
+    m = tiny_model("llama", 0)
+    t = Target(spec="tiny-llama", model=m, tokenizer=None, fingerprint=fingerprint(m))
+    return out, t
+
+
+def test_foreign_draft_with_its_target_passes_clean(tmp_path):
+    out, t = foreign_with_target(tmp_path)
+    r = diagnose(out, engine="sglang", source="sglang", target=t)
+    assert not [c for c in r.codes() if c.startswith("CONFIG_")], r.findings
+
+
+@pytest.mark.parametrize("field,bad,says", [
+    ("rope_theta", 500000.0, "the target's rope_theta is 10000.0"),  # SGLang llama.py:294-300
+    ("rms_norm_eps", 1e-5, "the target's 1e-06"),  # SGLang llama_eagle3.py:78/197
+    ("max_position_embeddings", 128, "the target's 256"),  # SGLang llama.py:308, vLLM speculative.py:1118-1130
+])
+def test_foreign_fields_against_the_target_are_warnings(tmp_path, field, bad, says):
+    # no record: the draft may have been trained so; only a measurement can tell
+    out, t = foreign_with_target(tmp_path, lambda c: c.__setitem__(field, bad))
+    r = diagnose(out, engine="sglang", source="sglang", target=t)
+    f = next(f for f in r.findings if f.code == "CONFIG_DRIFT")
+    assert f.severity == "warning" and says in f.message, f
+    assert "nothing records" in f.message or "not measured" in f.message
+    assert ("--probe" in f.fix) or (f.remedy and f.remedy.config_set == {"max_position_embeddings": 256})
+
+
 def _facts():
     from eaglewire.doctor.subject import TargetFacts
     return TargetFacts(fingerprint=dict(LLAMA))

@@ -316,6 +316,12 @@ def _against_target(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
         out.append(finding("CONFIG_DRIFT", sev, f"{prefix}rope scaling reads as {scaling!r}, the target's as "
                            f"{t_scaling!r}; {trained}",
                            f"keep it if the draft was trained so; the probe measures the draft as written (`{cmd}`)"))
+    eps, t_eps = engine_value(layer, "rms_norm_eps"), getattr(tc, "rms_norm_eps", None)
+    if _is_num(eps) and _is_num(t_eps) and not _same(eps, t_eps):
+        out.append(finding("CONFIG_DRIFT", sev, f"{prefix}rms_norm_eps is {eps!r}"
+                           + (" (absent: LlamaConfig's default)" if "rms_norm_eps" not in layer else "")
+                           + f", the target's {t_eps!r}: EAGLE-3 trainers copy the target's; {trained}",
+                           f"keep it if the draft was trained so; the probe measures the draft as written (`{cmd}`)"))
     mpe, t_mpe = engine_value(layer, "max_position_embeddings"), getattr(tc, "max_position_embeddings", None)
     if _is_int(mpe) and _is_int(t_mpe) and mpe < t_mpe:
         out.append(finding("CONFIG_DRIFT", "warning", f"{prefix}max_position_embeddings is {mpe}"
