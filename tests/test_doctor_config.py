@@ -267,3 +267,38 @@ def test_engine_value_defaults():
     assert engine_value({"hidden_size": 64, "num_attention_heads": 4}, "head_dim") == 16
     assert engine_value({"num_attention_heads": 4}, "num_key_value_heads") == 4
     assert engine_value({}, "max_position_embeddings") == 2048
+
+
+# --- the other formats `eaglewire import` reads, as SGLang serves them -------------------------------------
+
+def _trainer_dir(path, kind, **cfg_edit):
+    """SpecForge (export/to_sglang.py: midlayer.*, no embedding) or ModelOpt (hf_spec_export.py: layers.0.*,
+    d2t only) layouts of the tiny draft, both LlamaForCausalLMEagle3 with nested ids."""
+    from safetensors.torch import save_file
+    from eaglewire.interop.common import hf_fields
+    from interop_tiny import tiny_draft
+
+    m = tiny_draft()
+    nested = {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
+    if kind == "modelopt":
+        nested |= {"use_input_layernorm_in_first_layer": True, "use_last_layernorm": True}
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **hf_fields(m.config), "draft_vocab_size": 64,
+           "eagle_config": nested, **cfg_edit}
+    drop = ("embed_tokens.weight",) + (("t2d",) if kind == "modelopt" else ())
+    name = (lambda k: k.replace("layers.0.", "midlayer.")) if kind == "specforge" else (lambda k: k)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file({name(k): v.contiguous() for k, v in m.state_dict().items() if k not in drop},
+              str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["specforge", "modelopt"])
+def test_trainer_formats_pass_clean_and_a_wrong_field_is_found(tmp_path, kind):
+    clean = diagnose(_trainer_dir(tmp_path / "clean", kind), engine="sglang", source=kind, target=_facts())
+    assert not [c for c in clean.codes() if c.startswith("CONFIG_")], clean.findings
+    bad = _trainer_dir(tmp_path / "bad", kind, intermediate_size=96)  # SGLang llama_eagle3.py:69-75
+    r = diagnose(bad, engine="sglang", source=kind, target=_facts())
+    f = next(f for f in r.findings if f.code == "CONFIG_SHAPE")
+    assert "intermediate_size is 96" in f.message and "gate_proj" in f.message
+    fix_and_rerun(r, "CONFIG_SHAPE", bad, "sglang")
