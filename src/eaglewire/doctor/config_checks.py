@@ -120,10 +120,11 @@ def _types(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
     act = layer.get("hidden_act", "silu")
     if act != "silu":  # SGLang llama.py:104-107, vLLM llama.py:109-111: LlamaMLP raises on anything else
         trained = ctx.subject.config.hidden_act if ctx.subject.recorded and ctx.subject.config else None
+        other = trained not in (None, "silu")  # trained with it: writing silu would change the arithmetic
         out.append(finding("CONFIG_TYPE", "error", f"{prefix}hidden_act is {act!r}: {engine_name(ctx)}'s LlamaMLP "
                            "raises 'Unsupported activation' for anything but silu, so loading the draft fails",
-                           "retrain the draft with silu" if trained not in (None, "silu") else "write silu",
-                           None if trained not in (None, "silu") else Remedy(config_set={prefix + "hidden_act": "silu"})))
+                           "retrain the draft with silu" if other else "write silu",
+                           None if other else Remedy(config_set={prefix + "hidden_act": "silu"})))
     rp = layer.get("rope_parameters", layer.get("rope_scaling"))
     if rp is not None and not isinstance(rp, dict):
         out.append(finding("CONFIG_TYPE", "error", f"{prefix}rope_parameters/rope_scaling is {rp!r}: the engines "
@@ -180,7 +181,8 @@ def _against_tensors(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
     n = engine_value(layer, "num_hidden_layers")
     if stored and _is_int(n) and n != max(stored) + 1:
         # SGLang llama_eagle3.py:193 / vLLM llama_eagle3.py:172 build num_hidden_layers layers: SGLang leaves
-        # layers without weights at their random initialisation, vLLM's loader refuses unloaded parameters
+        # layers without weights at their random initialisation, vLLM refuses unloaded parameters
+        # (model_loader/default_loader.py:465-470) and unknown names (llama_eagle3.py load_weights)
         checks.append(("num_hidden_layers", n, max(stored) + 1, "the stored layers.N.* count", True))
     seen = set()
     for field, want, got, evidence, settable in checks:
@@ -264,7 +266,7 @@ def _same_scaling(a: dict | None, b: dict | None) -> bool:
 
 def _consequence(field: str) -> str:
     return {"rms_norm_eps": "every RMSNorm of the draft divides by another epsilon",
-            "rope_theta": "the draft's attention rotates queries and keys at other frequencies than it was trained with",
+            "rope_theta": "the draft's attention rotates queries and keys at other frequencies than in training",
             "max_position_embeddings": "the engine sizes the draft's rotary cache (SGLang) or caps its max_model_len "
                                        "(vLLM) from it",
             "hidden_act": "the draft's MLP runs another activation",
@@ -326,8 +328,9 @@ def _against_target(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
     if _is_int(mpe) and _is_int(t_mpe) and mpe < t_mpe:
         out.append(finding("CONFIG_DRIFT", "warning", f"{prefix}max_position_embeddings is {mpe}"
                            + (" (absent: LlamaConfig's default)" if "max_position_embeddings" not in layer else "")
-                           + f", the target's {t_mpe}: vLLM caps the draft's max_model_len at it (config/speculative.py "
-                           "_maybe_override_draft_max_model_len), SGLang sizes the draft's rotary cache from it; "
+                           + f", the target's {t_mpe}: vLLM caps the draft's max_model_len at it "
+                           "(config/speculative.py _maybe_override_draft_max_model_len), SGLang sizes the draft's "
+                           "rotary cache from it; "
                            "what either does past it is not measured here",
                            "state the target's value if the draft was trained with its rope (serve-check with "
                            "prompts longer than it measures the effect)",
