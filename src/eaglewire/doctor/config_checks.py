@@ -84,8 +84,8 @@ def check_config(ctx: Context) -> list[Finding]:
     out = _types(ctx, layer, prefix)
     if out:
         return out  # the engine stops at the config: nothing else it would build means anything
-    out += _against_tensors(ctx, layer, prefix)
-    out += _against_record(ctx, layer, prefix)
+    shaped, fields = _against_tensors(ctx, layer, prefix)
+    out += shaped + _against_record(ctx, layer, prefix, skip=fields)
     out += _against_target(ctx, layer, prefix)
     return out
 
@@ -152,9 +152,10 @@ def _tensors(ctx: Context) -> dict:
     return {k.removeprefix("model.").replace("midlayer.", "layers.0."): t for k, t in ctx.subject.dd.tensors.items()}
 
 
-def _against_tensors(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
+def _against_tensors(ctx: Context, layer: dict, prefix: str) -> tuple[list[Finding], set[str]]:
     """Each engine builds its parameters from the config and its weight loader copies the stored tensor into
-    them: a size that disagrees fails the load (default_weight_loader asserts equal sizes in both engines)."""
+    them: a size that disagrees fails the load (default_weight_loader asserts equal sizes in both engines).
+    -> (findings, the fields they name)."""
     t, out = _tensors(ctx), []
     H, inter = engine_value(layer, "hidden_size"), engine_value(layer, "intermediate_size")
     nh, nkv, hd = (engine_value(layer, f) for f in ("num_attention_heads", "num_key_value_heads", "head_dim"))
@@ -202,7 +203,7 @@ def _against_tensors(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
                            "state the size the tensors have" if settable else
                            "state num_attention_heads, num_key_value_heads and head_dim as the draft was built",
                            Remedy(config_set={prefix + field: got}) if settable else None))
-    return out
+    return out, seen
 
 
 # --- the training record --------------------------------------------------------------------------
@@ -216,15 +217,16 @@ def _recorded_fields(c) -> dict:
             "hidden_act": c.hidden_act}
 
 
-def _against_record(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
-    """An export carries the DraftConfig it was trained with; a field edited since runs other arithmetic."""
+def _against_record(ctx: Context, layer: dict, prefix: str, skip=frozenset()) -> list[Finding]:
+    """An export carries the DraftConfig it was trained with; a field edited since runs other arithmetic.
+    skip: fields CONFIG_SHAPE already names (the same fix)."""
     s = ctx.subject
     if not s.recorded or s.config is None:
         return []  # a foreign draft's config is read from this very file: nothing to compare
     out = []
     for field, want in _recorded_fields(s.config).items():
         got = engine_value(layer, field)
-        if got is MISSING or _same(got, want):
+        if got is MISSING or _same(got, want) or field in skip:
             continue
         if field == "hidden_act" and want != "silu":
             out.append(finding("CONFIG_DRIFT", "error", f"the draft was trained with hidden_act={want!r} (its "
