@@ -86,7 +86,7 @@ def check_config(ctx: Context) -> list[Finding]:
         return out  # the engine stops at the config: nothing else it would build means anything
     shaped, fields = _against_tensors(ctx, layer, prefix)
     out += shaped + _against_record(ctx, layer, prefix, skip=fields)
-    out += _against_target(ctx, layer, prefix)
+    out += _against_target(ctx, layer, prefix, skip=fields)
     return out
 
 
@@ -285,12 +285,12 @@ def _target_config(ctx: Context):
     return text_config(ctx.target.loaded.model.config)
 
 
-def _against_target(ctx: Context, layer: dict, prefix: str) -> list[Finding]:
+def _against_target(ctx: Context, layer: dict, prefix: str, skip=frozenset()) -> list[Finding]:
     out, s = [], ctx.subject
     V = engine_value(layer, "vocab_size")
     tv = ctx.target.vocab_size if ctx.loaded else (int(s.dd.tensors["t2d"].numel()) if "t2d" in s.dd.tensors
                                                     else None)
-    if _is_int(V) and tv and V != tv and ctx.engine == "vllm":
+    if _is_int(V) and tv and V != tv and ctx.engine == "vllm" and "vocab_size" not in skip:
         # vLLM llama_eagle3.py:347-357: logits scattered into config.vocab_size columns (target = draft + d2t)
         out.append(finding("CONFIG_DRIFT", "error", f"{prefix}vocab_size is {V}, the target's vocabulary is {tv} "
                            f"({'the loaded target' if ctx.loaded else 't2d'}): vLLM scatters the draft's logits into "
