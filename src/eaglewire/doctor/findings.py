@@ -38,6 +38,12 @@ CODES: dict[str, str] = {
     "NORM_FLAG_MISMATCH": "a norm flag written with another value than the draft was trained with",
     "ENGINE_ARGS_OVERRIDE": "engine arguments the engine silently rewrites, with what the run will really use",
     "ENGINE_ARGS_REFUSED": "engine arguments the engine refuses at start-up",
+    "CONFIG_TYPE": "an architecture field of a type or value the engine cannot build (a string for a number, an "
+                   "activation other than silu): loading the draft fails",
+    "CONFIG_SHAPE": "an architecture field (hidden_size, intermediate_size, heads, head_dim, vocab_size) disagrees "
+                    "with the draft's own tensors: the engine refuses the weights at load",
+    "CONFIG_DRIFT": "an architecture field the engine reads (rope, norm epsilon, activation, shapes, positions, "
+                    "vocabulary) differs from the draft's training record or its target",
     "NOT_ENGINE_FORMAT": "the directory is not in a format the engine loads as an EAGLE-3 draft",
     "TARGET_MISMATCH": "hidden size (the width of the taps fc reads), vocabulary, layers, tokenizer or weights "
                        "differ from the draft's target",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..errors import EaglewireError
 from ..interop.common import NORM_FLAGS
 from ..vocab import d2t_from_ids, t2d_from_d2t, validate_vocab
+from .config_checks import check_config
 from .context import Context, engine_name
 from .engine_args import with_option, with_speculative_config
 from .findings import Finding, Remedy, finding
@@ -385,7 +386,7 @@ def check_target(ctx: Context) -> list[Finding]:
 
 
 CHECKS = (check_format, check_taps, check_fc, check_bypass, check_weights, check_vocab, check_lm_head,
-          check_embedding, check_norm_flags, check_engine_args, check_target)
+          check_embedding, check_norm_flags, check_config, check_engine_args, check_target)
 
 
 def run_checks(ctx: Context) -> list[Finding]:

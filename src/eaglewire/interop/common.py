@@ -115,7 +115,8 @@ def draft_fields_from_hf(cfg: dict, where: str) -> dict:
         return cfg[key]
 
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = cfg.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
+    # as transformers 5's LlamaConfig, which both engines build the draft with: rope_parameters' theta first
+    theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or cfg.get("rope_theta") or 10000.0
     scaling = dict(rope) if isinstance(rope, dict) and rope else None
     if scaling is not None:
         scaling.pop("rope_theta", None)
