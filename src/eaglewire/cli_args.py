@@ -1,4 +1,5 @@
-"""The flags several commands share, each added one way: name, type, choices and default live here.
+"""The flags several commands share, each added one way: name, type, choices and default live here, and the
+argparse types every numeric flag of every command takes.
 
 A command passes its own help text where the flag means something narrower there (bench's --device,
 doctor's --target); the defaults below are what most commands say.
