@@ -86,7 +86,10 @@ def reference_text(target_dir, ids, n):
 
 
 def run(capsys, *argv):
-    rc = main(["generate", *map(str, argv)])
+    try:
+        rc = main(["generate", *map(str, argv)])
+    except SystemExit as e:  # refused as the command line is parsed
+        rc = e.code
     cap = capsys.readouterr()
     return rc, cap.out, cap.err
 
@@ -173,10 +176,10 @@ def test_text_stream_writes_as_tokens_arrive():
     (["--draft", "D", "--prompt", "hi", "--depth", "3"], "--depth shape a tree: add --tree"),
     (["--draft", "D", "--prompt", "   "], "--prompt is empty"),
     (["--draft", "D", "--prompt", "hi", "--max-new-tokens", 90], "exceeds the target's context of 96"),
-    (["--draft", "D", "--prompt", "hi", "--chain", 0], "K must be an integer >= 1"),
-    (["--draft", "D", "--prompt", "hi", "--temperature", -1], "temperature must be"),
+    (["--draft", "D", "--prompt", "hi", "--chain", 0], "argument --chain: invalid value '0': must be an integer >= 1"),
+    (["--draft", "D", "--prompt", "hi", "--temperature", -1], "argument --temperature: invalid value '-1': must be a number >= 0"),
     (["--draft", "D", "--prompt", "hi", "--device", "cuda"] if not torch.cuda.is_available() else
-     ["--draft", "D", "--prompt", "hi", "--chain", -1], "CUDA is not available|K must be"),
+     ["--draft", "D", "--prompt", "hi", "--chain", -1], "CUDA is not available|argument --chain: invalid value '-1'"),
     (["--draft", "D", "--prompt", "hi", "--device", "gpu"], "--device gpu: not a device torch knows"),
 ])
 def test_bad_input_is_one_line(env, capsys, argv, msg):

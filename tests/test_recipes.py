@@ -232,10 +232,13 @@ def test_set_refuses_unknown_fields():
         recipes._override(recipes.RECIPES["demo"], args)
 
 
-def test_turns_must_keep_a_user_turn_or_say_all(tmp_path):
-    for bad in ("0", "two", "-1"):
-        with pytest.raises(UsageError, match=f"--turns {bad}: give a number of user turns >= 1, or all"):
-            recipes._override(recipes.RECIPES["full"], recipe_args("full", "--turns", bad))
+def test_turns_must_keep_a_user_turn_or_say_all(tmp_path, capsys):
+    for bad in ("0", "two", "-1"):  # refused as the command line is parsed
+        with pytest.raises(SystemExit) as e:
+            recipe_args("full", "--turns", bad)
+        assert e.value.code == 2
+        assert (f"argument --turns: invalid value {bad!r}: must be a number of user turns >= 1, or all"
+                in capsys.readouterr().err.strip().splitlines()[-1])
     assert recipes._override(recipes.RECIPES["full"], recipe_args("full", "--turns", "3")).turns == 3
     every = recipes._override(recipes.RECIPES["long"], recipe_args("long", "--turns", "all"))
     assert every.turns is None and recipes.RECIPES["long"].turns == 3

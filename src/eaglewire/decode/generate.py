@@ -150,18 +150,22 @@ def register(sub) -> None:
     src.add_argument("--messages", metavar="FILE", help="a conversation: a JSON list of {role, content}, or the "
                      "first record of a ShareGPT / OpenAI-messages / prompt file")
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
-    cli_args.add_sampling(p, top_p_help="1 = off (default)", top_k_help="0 = off (default)")
+    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=256, metavar="N", help="default 256")
+    cli_args.add_sampling(p)
     g = p.add_argument_group(f"drafting (default: a chain of {default_shape_text('K')})")
     shape = g.add_mutually_exclusive_group()
-    shape.add_argument("--chain", type=int, default=None, metavar="K", help="a chain of K draft tokens per step")
+    shape.add_argument("--chain", type=cli_args.positive_int, default=None, metavar="K",
+                       help="a chain of K draft tokens per step")
     shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
-    g.add_argument("--depth", type=int, default=None, help=f"tree depth (default {default_shape_text('depth')})")
-    g.add_argument("--topk", type=int, default=None, help=f"children per node (default {default_shape_text('topk')})")
-    g.add_argument("--budget", type=int, default=None,
+    g.add_argument("--depth", type=cli_args.positive_int, default=None,
+                   help=f"tree depth (default {default_shape_text('depth')})")
+    g.add_argument("--topk", type=cli_args.positive_int, default=None,
+                   help=f"children per node (default {default_shape_text('topk')})")
+    g.add_argument("--budget", type=cli_args.positive_int, default=None,
                    help=f"draft tokens verified per step (default {default_shape_text('budget')})")
     g.add_argument("--no-spec", action="store_true", help="no draft: the same engine, one target step per token")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--seed", type=cli_args.nonneg_int, default=None,
+                   help="sampling seed, an integer >= 0 (default: unseeded)")
     p.add_argument("--strict", action="store_true", help="a target fingerprint mismatch is an error, not a warning")
     cli_args.add_device(p)
     cli_args.add_dtype(p, help="default: bf16 on CUDA, fp32 on CPU")

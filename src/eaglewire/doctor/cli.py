@@ -272,15 +272,16 @@ def register(sub) -> None:
     p.add_argument("--engine-args", default=None, metavar="ARGS",
                    help="the serve command's arguments as one quoted string; write --engine-args=\"--flag ...\" "
                         "when it is a single flag")
-    p.add_argument("--probe", type=int, default=0, metavar="N",
-                   help="measure on N distinct prompts (needs --target; 32 take a few minutes on a 2-core CPU)")
+    p.add_argument("--probe", type=cli_args.positive_int, default=0, metavar="N",
+                   help="measure on N distinct prompts (needs --target; 32 take a few minutes on a 2-core CPU; "
+                        "default: no probe)")
     cli_args.add_suite(p, default=None, metavar="NAME|FILE", help="the probe's prompts: a bench suite "
                        "(mt-bench, humaneval, gsm8k, arena-hard, alpaca-eval) or a prompt file, continued by the target (default: 76 built-in)")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="the probe's conversations with their written replies, measured as they are")
-    p.add_argument("--probe-steps", type=int, default=7, metavar="K",
+    p.add_argument("--probe-steps", type=cli_args.positive_int, default=7, metavar="K",
                    help="the greedy chain the acceptance length is for (default 7)")
-    p.add_argument("--probe-tokens", type=int, default=128, metavar="T",
+    p.add_argument("--probe-tokens", type=cli_args.int_at_least(2), default=128, metavar="T",
                    help="new tokens the target writes for each prompt (default 128)")
     cli_args.add_device(p, help="where the probe runs the target (default: cuda if available)")
     p.add_argument("--records", default=None, metavar="CKPT",

@@ -485,9 +485,10 @@ def register(sub) -> None:
     cli_args.add_target(p, help="registry name or Hugging Face model directory")
     p.add_argument("--engine", default="vllm", choices=list(ENGINES))
     cli_args.add_suite(p, default="mt-bench", help=f"{', '.join(SUITES)} or a prompt FILE")
-    p.add_argument("--max-prompts", type=int, default=20, metavar="N")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="M")
-    p.add_argument("--chain", type=int, default=None, metavar="K", help="draft tokens a step (default 7)")
+    p.add_argument("--max-prompts", type=cli_args.positive_int, default=20, metavar="N")
+    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=256, metavar="M")
+    p.add_argument("--chain", type=cli_args.positive_int, default=None, metavar="K",
+                   help="draft tokens a step (default 7)")
     p.add_argument("--wirings", action="store_true",
                    help="serve again with other tap ids: vLLM every id -1 and +1 and id 0 in place of the first; "
                         "SGLang every nested id +1 and -1 and the nested key misspelled (its default taps)")

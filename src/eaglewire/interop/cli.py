@@ -40,9 +40,11 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="new output directory (written atomically)")
     p.add_argument("--engine-version", default=None,
                    help="SGLang release the export is for (default: latest; DeepSeek-family ids change at 0.5.13)")
-    p.add_argument("--num-steps", type=int, default=3, help="draft steps per round (vLLM: num_speculative_tokens)")
-    p.add_argument("--topk", type=int, default=1, help="SGLang --speculative-eagle-topk (1 = a chain)")
-    p.add_argument("--draft-tokens", type=int, default=None,
+    p.add_argument("--num-steps", type=cli_args.positive_int, default=3,
+                   help="draft steps per round (vLLM: num_speculative_tokens)")
+    p.add_argument("--topk", type=cli_args.positive_int, default=1,
+                   help="SGLang --speculative-eagle-topk (1 = a chain)")
+    p.add_argument("--draft-tokens", type=cli_args.positive_int, default=None,
                    help="SGLang --speculative-num-draft-tokens (default and required value for topk 1: steps + 1)")
     p.add_argument("--target-path", default=None, help="the target model path/id to write into SERVE.md")
     p.set_defaults(func=cmd_export)

@@ -32,8 +32,12 @@ OWN = {LOG, PNG, RESUME, RESUME + ".old", RESUME + ".tmp", _FINAL_TMP, checkpoin
 
 
 def out_status(out: Path, resume: bool) -> str:
-    """'fresh', 'resume' or 'done' for --out; raises (touching nothing) when --out holds anything else."""
+    """'fresh', 'resume' or 'done' for --out; raises (touching nothing) when --out holds anything else, or when
+    resume is asked and --out holds no run: a mistyped path must not start a fresh run in silence."""
     if not out.exists():
+        if resume:
+            raise UsageError(f"--out {out}: no such directory, nothing to resume; to start a fresh run there, "
+                             "drop --resume")
         return "fresh"
     if not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
@@ -52,6 +56,9 @@ def out_status(out: Path, resume: bool) -> str:
             raise UsageError(f"--out {out}: holds an unfinished run; pass --resume to continue it, or choose "
                              "another --out")
         return "resume"
+    if resume:
+        raise UsageError(f"--out {out}: holds no resume state, nothing to resume; to start a fresh run there, "
+                         "drop --resume")
     return "fresh"  # at most a log of a run killed before its first checkpoint
 
 

@@ -497,49 +497,60 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the unfinished run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("schedule")
-    g.add_argument("--epochs", type=int, help="passes over the training split (default 1)")
-    g.add_argument("--steps", type=int, help="optimizer steps in all (overrides --epochs)")
-    g.add_argument("--batch-tokens", type=int, help="padded tokens per micro-batch (default 8192)")
-    g.add_argument("--batch-size", type=int, help="samples per micro-batch (instead of --batch-tokens)")
-    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step and rank (default 1)")
-    g.add_argument("--lr", type=float, help="peak learning rate (default 1e-4)")
-    g.add_argument("--min-lr-ratio", type=float, help="cosine floor as a fraction of --lr (default 0)")
-    g.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps; under "
-                   "--time-budget-s, of those the clock is estimated to allow)")
-    g.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (default 0)")
-    g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"), help="AdamW betas (default 0.9 0.95)")
+    g.add_argument("--epochs", type=cli_args.positive_int, help="passes over the training split (default 1)")
+    g.add_argument("--steps", type=cli_args.positive_int, help="optimizer steps in all (overrides --epochs)")
+    g.add_argument("--batch-tokens", type=cli_args.positive_int, help="padded tokens per micro-batch (default 8192)")
+    g.add_argument("--batch-size", type=cli_args.positive_int,
+                   help="samples per micro-batch (instead of --batch-tokens)")
+    g.add_argument("--grad-accum", type=cli_args.positive_int,
+                   help="micro-batches per optimizer step and rank (default 1)")
+    g.add_argument("--lr", type=cli_args.positive_float, help="peak learning rate (default 1e-4)")
+    g.add_argument("--min-lr-ratio", type=cli_args.ratio,
+                   help="cosine floor as a fraction of --lr, in [0, 1); 0 = down to 0 (default)")
+    g.add_argument("--warmup-steps", type=cli_args.nonneg_int, help="linear warmup steps, 0 = none (default 2%% of the "
+                   "steps; under --time-budget-s, of those the clock is estimated to allow)")
+    g.add_argument("--weight-decay", type=cli_args.nonneg_float,
+                   help="AdamW weight decay on matrices, 0 = none (default)")
+    g.add_argument("--betas", type=cli_args.ratio, nargs=2, metavar=("B1", "B2"),
+                   help="AdamW betas, each in [0, 1), 0 = no moving average (default 0.9 0.95)")
     g.add_argument("--optimizer", choices=["adamw", "muon"],
                    help="adamw (default), or muon on the hidden matrices and AdamW on the rest (speculators')")
-    g.add_argument("--clip-grad", type=float, help="max gradient norm, 0 = off (default 0.5)")
-    g.add_argument("--max-len", type=int, help="tokens per sample (default 2048)")
-    g.add_argument("--time-budget-s", type=float, help="stop early (and save) after this many training seconds")
+    g.add_argument("--clip-grad", type=cli_args.nonneg_float, help="max gradient norm, 0 = off (default 0.5)")
+    g.add_argument("--max-len", type=cli_args.positive_int, help="tokens per sample (default 2048)")
+    g.add_argument("--time-budget-s", type=cli_args.positive_float,
+                   help="stop early (and save) after this many training seconds")
     g = p.add_argument_group("draft and loss")
-    g.add_argument("--ttt-steps", type=int, help="training-time-test steps K (default 7)")
-    g.add_argument("--ttt-decay", type=float, help="loss weight decay**k of TTT step k (default 0.8)")
+    g.add_argument("--ttt-steps", type=cli_args.positive_int, help="training-time-test steps K (default 7)")
+    g.add_argument("--ttt-decay", type=cli_args.fraction, help="loss weight decay**k of TTT step k, in (0, 1] "
+                   "(default 0.8)")
     g.add_argument("--loss", choices=["soft-ce", "kl"], help="soft-ce (EAGLE-3, default) or kl (speculators)")
-    g.add_argument("--draft-vocab-size", type=int, help="draft vocabulary (default min(32000, target vocab))")
-    g.add_argument("--draft-layers", type=int, help="draft decoder layers (default 1); with --init-from, more than "
-                   "the checkpoint's deepen it, the new layers starting as the identity")
+    g.add_argument("--draft-vocab-size", type=cli_args.positive_int,
+                   help="draft vocabulary (default min(32000, target vocab))")
+    g.add_argument("--draft-layers", type=cli_args.positive_int, help="draft decoder layers (default 1); with "
+                   "--init-from, more than the checkpoint's deepen it, the new layers starting as the identity")
     g.add_argument("--draft-config", metavar="JSON",
                    help="other DraftConfig fields, e.g. '{\"norm_before_residual\": true}'")
     cli_args.add_taps(g, help="canonical taps (default: the data's; online 2,N//2,N-3)")
     g.add_argument("--init-from", metavar="CKPT",
                    help="fine-tune this native draft (its weights, vocabulary and shape) instead of a new one")
     g = p.add_argument_group("evaluation, checkpoints, logging")
-    g.add_argument("--eval-fraction", type=float, help="held-out share of the samples (default 0.05), chosen by a "
-                   "seeded hash of each sample's tokens: on grown data the same samples stay held out")
-    g.add_argument("--eval-every", type=int, help="steps between evaluations (default: 10 per run)")
-    g.add_argument("--ckpt-every", type=int, help="steps between resume states, 0 = none (default: 10 per run)")
-    g.add_argument("--log-every", type=int, help="steps between log lines (default 10)")
-    g.add_argument("--seed", type=int, help="initialisation, split and batch order (default 0)")
+    g.add_argument("--eval-fraction", type=cli_args.ratio, help="held-out share of the samples, in [0, 1), 0 = no "
+                   "evaluation (default 0.05), chosen by a seeded hash of each sample's tokens: on grown data the "
+                   "same samples stay held out")
+    g.add_argument("--eval-every", type=cli_args.positive_int, help="steps between evaluations (default: 10 per run)")
+    g.add_argument("--ckpt-every", type=cli_args.nonneg_int,
+                   help="steps between resume states, 0 = none (default: 10 per run)")
+    g.add_argument("--log-every", type=cli_args.positive_int, help="steps between log lines (default 10)")
+    g.add_argument("--seed", type=cli_args.nonneg_int, help="initialisation, split and batch order (default 0)")
     g = p.add_argument_group("devices")
     cli_args.add_device(g, help="cuda, cuda:1, cpu (default: cuda if available; LOCAL_RANK under torchrun)")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="auto: bf16 autocast on CUDA, fp32 on CPU")
     g.add_argument("--fsdp", action="store_true", default=None, help="shard the draft with FSDP2 (torchrun)")
-    g.add_argument("--num-workers", type=int, help="data-loading workers (default 4 on CUDA, 0 on CPU)")
+    g.add_argument("--num-workers", type=cli_args.nonneg_int,
+                   help="data-loading workers, 0 = load in the training process (default 4 on CUDA, 0 on CPU)")
     g = p.add_argument_group("online regeneration (--online --regen)")
     g.add_argument("--regen", action="store_true", default=None, help="the target rewrites the assistant turns first")
-    g.add_argument("--regen-max-new-tokens", type=int, help="per reply (default 512)")
-    g.add_argument("--regen-temperature", type=float, help="0 = greedy (default)")
-    g.add_argument("--regen-batch-size", type=int, help="prompts per generate call (default 32)")
+    g.add_argument("--regen-max-new-tokens", type=cli_args.positive_int, help="per reply (default 512)")
+    g.add_argument("--regen-temperature", type=cli_args.nonneg_float, help="0 = greedy (default)")
+    g.add_argument("--regen-batch-size", type=cli_args.positive_int, help="prompts per generate call (default 32)")
     p.set_defaults(func=cmd_train)
