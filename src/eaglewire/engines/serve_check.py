@@ -310,7 +310,7 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
 def doctor_says(d: Path, eng, p: Prepared, engine_args: str | None = None) -> dict:
     """`eaglewire doctor`'s static verdict on a directory the engine is about to serve: its exit code and the
     findings above info."""
-    from ..doctor import diagnose  # the package: doctor.cli sits above engines
+    from ..doctor.api import diagnose
     from ..doctor.subject import TargetFacts
 
     r = diagnose(d, target=TargetFacts(fingerprint=p.fingerprint or {"num_layers": p.num_layers}), engine=eng.name,
