@@ -288,7 +288,8 @@ def _trainer_dir(path, kind, **cfg_edit):
     if kind == "modelopt":
         nested |= {"use_input_layernorm_in_first_layer": True, "use_last_layernorm": True}
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], **hf_fields(m.config), "draft_vocab_size": 64,
-           "eagle_config": nested, **cfg_edit}
+           "eagle_config": nested, "torch_dtype": "bfloat16", **cfg_edit}  # both exporters state the dtype
+    cfg = {k: v for k, v in cfg.items() if v is not None}
     drop = ("embed_tokens.weight",) + (("t2d",) if kind == "modelopt" else ())
     name = (lambda k: k.replace("layers.0.", "midlayer.")) if kind == "specforge" else (lambda k: k)
     path.mkdir()
@@ -307,3 +308,19 @@ def test_trainer_formats_pass_clean_and_a_wrong_field_is_found(tmp_path, kind):
     f = next(f for f in r.findings if f.code == "CONFIG_SHAPE")
     assert "intermediate_size is 96" in f.message and "gate_proj" in f.message
     fix_and_rerun(r, "CONFIG_SHAPE", bad, "sglang")
+
+
+def test_a_draft_stating_no_dtype_is_built_in_float16_by_sglang(tmp_path):
+    """SGLang 0.5.17 builds the draft in the dtype its own config states (configs/model_config.py:494, 531-561):
+    none reads as float32, which --dtype auto, the default, turns into float16 (:1663-1684). vLLM builds it in the
+    target's dtype. eaglewire's SGLang export states bfloat16."""
+    for said in (None, "float32"):
+        d = _trainer_dir(tmp_path / f"d-{said}", "specforge", torch_dtype=said)
+        r = diagnose(d, engine="sglang", source="specforge", target=_facts())
+        f = next(f for f in r.findings if f.code == "CONFIG_DRIFT")
+        assert f.severity == "warning" and "float16" in f.message and "--dtype bfloat16" in f.fix
+    r = diagnose(_trainer_dir(tmp_path / "bf16", "specforge"), engine="sglang", source="specforge", target=_facts())
+    assert "CONFIG_DRIFT" not in r.codes()
+    r = diagnose(_trainer_dir(tmp_path / "vllm", "specforge", torch_dtype=None), engine="vllm", source="specforge",
+                 target=_facts())
+    assert not any("float16" in f.message for f in r.findings)

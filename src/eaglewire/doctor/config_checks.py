@@ -87,7 +87,25 @@ def check_config(ctx: Context) -> list[Finding]:
     shaped, fields = _against_tensors(ctx, layer, prefix)
     out += shaped + _against_record(ctx, layer, prefix, skip=fields)
     out += _against_target(ctx, layer, prefix, skip=fields)
-    return out
+    return out + _dtype(ctx)
+
+
+def _dtype(ctx: Context) -> list[Finding]:
+    """SGLang builds the draft in the dtype the draft's own config states, through its --dtype (default auto):
+    none, or float32, becomes float16 (0.5.17 configs/model_config.py:494, 531-561, 1655-1684), beside a target
+    that usually runs in bf16. vLLM builds the draft in the target's dtype. What float16 costs a bf16-trained draft
+    was not measured, so this is a warning."""
+    if ctx.engine != "sglang":
+        return []
+    cfg = ctx.subject.dd.config
+    said = cfg.get("dtype") or cfg.get("torch_dtype")
+    if said not in (None, "float32", "float"):
+        return []
+    what = "states no dtype" if said is None else f"states {said}"
+    return [finding("CONFIG_DRIFT", "warning", f"config.json {what}: with its default --dtype auto, SGLang builds "
+                    "the draft in float16 (configs/model_config.py:1663-1684), whatever the target runs in",
+                    'write "torch_dtype": "bfloat16" in config.json (eaglewire export does), or serve with '
+                    "--dtype bfloat16")]
 
 
 # --- types ----------------------------------------------------------------------------------------

@@ -131,6 +131,9 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_versi
            # SGLang reads the ids only here (model_runner.py); the nested key is mandatory.
            "eagle_config": {IDS_KEY: ids, "use_aux_hidden_state": True},
            **{f: getattr(c, f) for f in NORM_FLAGS},
+           # SGLang builds the draft in the dtype its own config states; none reads as float32, which its default
+           # --dtype auto turns into float16 (0.5.17 configs/model_config.py:494, 1663-1684): say bf16, as served
+           "torch_dtype": "bfloat16",
            PROVENANCE_KEY: provenance(NAME, conv, contract, target, engine_version or LATEST, c)}
     tensors = _engine_names({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, version)
     return cfg, tensors, ids, conv, notes
