@@ -5,7 +5,7 @@ plausible readings, one chosen or a UsageError saying which flag decides), the d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,11 +51,13 @@ class ImportMeta:
     ids_where: str | None = None
     notes: tuple[str, ...] = ()
     config: object = None  # DraftConfig
+    carried: dict = field(default_factory=dict)  # Reading.carried: written back by an export to the same format
 
     def to_dict(self) -> dict:
         return {"path": str(self.path), "source": self.source, "convention": self.convention,
                 "engine_version": self.engine_version, "ids": self.ids, "ids_where": self.ids_where,
-                "taps": list(self.contract.taps), "num_layers": self.contract.num_layers, "notes": list(self.notes)}
+                "taps": list(self.contract.taps), "num_layers": self.contract.num_layers, "notes": list(self.notes),
+                "carried": self.carried}
 
 
 def load_target_info(spec: str) -> TargetInfo:
@@ -205,7 +207,8 @@ def load_any(path, source: str | None = None, target: TargetInfo | str | None = 
     model = build_draft(reading, embedding=t.embedding if t is not None else None)
     return model, ImportMeta(path=p, source=reading.source, convention=reading.convention, contract=reading.contract,
                              target=fingerprint, engine_version=engine_version, ids=reading.ids,
-                             ids_where=reading.ids_where, notes=reading.notes, config=reading.config)
+                             ids_where=reading.ids_where, notes=reading.notes, config=reading.config,
+                             carried=reading.carried)
 
 
 def _partial_fingerprint(r: Reading) -> dict:

@@ -35,7 +35,7 @@ from ..draft import DraftConfig, Eagle3Draft
 from ..errors import TapError, UsageError
 from ..taps import CONVENTIONS, TapContract, sglang_convention, sglang_default_taps
 from .common import (IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, check_flag_values,
-                     complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes)
+                     complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes, window_from_hf)
 from .engine_view import EngineView, FlagView
 
 NAME = "sglang"
@@ -127,6 +127,12 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_versi
     version = parse_version(engine_version)
     check_exportable(c, contract, version)
     ids, conv, notes = choose_ids(contract, target.get("model_type"), engine_version)
+    if c.sliding_window is not None:
+        # llama_eagle3.py LlamaForCausalLMEagle3.__init__ takes the draft's window from the server argument
+        # speculative_draft_window_size alone; config.json's layer_types/sliding_window only record it.
+        notes.append(f"the draft attends with a sliding window of {c.sliding_window} positions: SGLang applies it "
+                     f"only when served with --speculative-draft-window-size {c.sliding_window} (in the command "
+                     "below); a release without that flag attends to every position")
     cfg = {"architectures": [ARCH], **hf_fields(c), "draft_vocab_size": c.draft_vocab_size,
            # SGLang reads the ids only here (model_runner.py); the nested key is mandatory.
            "eagle_config": {IDS_KEY: ids, "use_aux_hidden_state": True},
@@ -266,7 +272,8 @@ def read(dd: DraftDir, *, model_type: str | None, num_layers: int, vocab_size: i
     notes = complete_vocab(tensors, vocab, draft_vocab, where)
     flags = {f: fv.effective for f, fv in view.norm_flags.items()}
     config = DraftConfig(**draft_fields_from_hf(dd.config, where), vocab_size=vocab, draft_vocab_size=draft_vocab,
-                         target_hidden_size=view.target_hidden_size, num_taps=view.num_aux_expected, **flags)
+                         target_hidden_size=view.target_hidden_size, num_taps=view.num_aux_expected,
+                         sliding_window=window_from_hf(dd.config, where), **flags)
     contract = TapContract(num_layers, tuple(view.captured_taps))
     if view.default_used:
         notes.append(f"no eagle_config.{IDS_KEY}: SGLang captures its default taps {list(contract.taps)}")
