@@ -80,7 +80,7 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, fmt: str, nu
         notes.append("speculators_config.verifier.name_or_path is null: pass --target-path so speculators' "
                      "Eagle3DraftModel.from_pretrained can load the verifier's weights")
     cfg = {"architectures": [SPEC_ARCH], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
-           "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
+           "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": _target_hidden(c, carried),
            # Every flag written: vLLM assumes norm_before_residual=True when absent, speculators False.
            **{f: getattr(c, f) for f in NORM_FLAGS},
            IDS_KEY: ids, "embed_requires_grad": False,
@@ -94,6 +94,14 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, fmt: str, nu
     tensors = {("input_norm.weight" if k == "fc_input_norm.weight" else k): v.detach().cpu().contiguous()
                for k, v in model.state_dict().items()}
     return cfg, tensors, ids, "vllm", notes
+
+
+def _target_hidden(c: DraftConfig, carried: dict) -> int | None:
+    # speculators writes null for "= hidden_size" (models/eagle3/config.py default); kept so where it still holds
+    if carried.get("format") == CARRIED and "target_hidden_size" in (carried.get("top") or {}) \
+            and carried["top"]["target_hidden_size"] is None and c.target_hidden_size == c.hidden_size:
+        return None
+    return c.target_hidden_size
 
 
 # --- what vLLM (or the speculators library) reads -------------------------------------------------
@@ -208,6 +216,7 @@ def read(dd: DraftDir, *, engine: str, num_layers: int, vocab_size: int | None) 
     if is_speculators(dd.config):
         verifier = (dd.config.get("speculators_config") or {}).get("verifier")
         carried = {"format": CARRIED, "layer": {k: layer[k] for k in AS_WRITTEN_KEYS if k in layer},
+                   "top": {k: dd.config[k] for k in ("target_hidden_size",) if k in dd.config},
                    "verifier": ({k: verifier.get(k) for k in ("name_or_path", "architectures")}
                                 if isinstance(verifier, dict) else None)}
     if view.default_used:
