@@ -170,3 +170,49 @@ def test_no_window_exports_exactly_as_before(tmp_path):
     layer = json.loads((tmp_path / "out" / "config.json").read_text())["transformer_layer_config"]
     assert not {"sliding_window", "layer_types", "use_sliding_window", "rope_parameters"} & set(layer)
     assert layer["rope_theta"] == 10000.0
+
+
+SGLANG_READ = ("architectures", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "num_hidden_layers", "vocab_size", "max_position_embeddings", "rope_parameters",
+               "rope_theta", "rope_scaling", "rms_norm_eps", "hidden_act", "tie_word_embeddings", "draft_vocab_size",
+               "eagle_config")  # and the norm flags, compared as SGLang resolves them (absent = its default)
+
+
+def test_specforge_hf_export_round_trips_into_the_sglang_format(tmp_path):
+    """SpecForge's `export --to hf` directory as it writes one under transformers 5 (a LlamaConfig's to_dict:
+    RoPE in rope_parameters, no rope_theta; midlayer.*, nested ids, d2t/t2d, no embedding; cf.
+    tests/test_peers_specforge.py for the real exporter) -> import -> export --format sglang: SGLang reads the same
+    config fields and the same tensors (names through SGLang's own loading rules), and the draft the same logits."""
+    from eaglewire.interop.readers import read_engine_view
+
+    m = tiny_draft(seed=7)
+    layer = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 1, "vocab_size": 128,
+             "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
+             "mlp_bias": False, "tie_word_embeddings": False, "initializer_range": 0.02, "pad_token_id": None,
+             "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **layer, "draft_vocab_size": 64,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}}
+    src = tmp_path / "specforge"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(cfg))
+    save_file({k.replace("layers.0.", "midlayer."): v.contiguous() for k, v in m.state_dict().items()
+               if k != "embed_tokens.weight"}, str(src / "model.safetensors"))
+    target = interop.TargetInfo(fingerprint=dict(LLAMA), embedding=m.embed_tokens.weight.detach().clone())
+    path, meta = interop.import_draft(src, tmp_path / "ck", target=target)
+    assert load_draft(path)[0].config.rope_theta == 500000.0
+    interop.export_draft(path, "sglang", tmp_path / "out")
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: out.get(k) for k in SGLANG_READ} == {k: cfg.get(k) for k in SGLANG_READ}
+    theirs, ours = (read_engine_view(d, "sglang", model_type="llama", num_layers=8) for d in (src, tmp_path / "out"))
+    assert ours.captured_taps == theirs.captured_taps == [2, 4, 5]
+    assert {f: v.effective for f, v in ours.norm_flags.items()} == {f: v.effective for f, v in theirs.norm_flags.items()}
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    kept_a = {p: a[n] for n, p in theirs.weights_kept.items()}
+    kept_b = {p: b[n] for n, p in ours.weights_kept.items()}
+    assert set(kept_b) == set(kept_a) | {"model.embed_tokens.weight"}  # SGLang takes the target's (SERVE.md says so)
+    assert all(torch.equal(kept_a[p], kept_b[p]) for p in kept_a)
+    first, _ = interop.load_any(src, target=target)
+    again, _ = interop.load_any(tmp_path / "out")
+    for x, y in zip(probe_logits(first), probe_logits(again)):
+        assert torch.equal(x, y)

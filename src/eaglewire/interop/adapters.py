@@ -82,7 +82,7 @@ def _sglang_read(dd: DraftDir, f: Facts) -> list[Reading]:
 
 
 def _sglang_export(model, contract, target: dict, r: ExportRequest) -> Exported:
-    cfg, tensors, ids, conv, notes = sglang.export(model, contract, target, r.engine_version)
+    cfg, tensors, ids, conv, notes = sglang.export(model, contract, target, r.engine_version, r.carried)
     text = serve.sglang_text(str(r.out), ids, conv, contract, target, r.engine_version or sglang.LATEST, r.spec,
                              r.target_path, notes, window=model.config.sliding_window)
     return Exported(config=cfg, tensors=tensors, ids=ids, convention=conv, notes=notes, serve_text=text)

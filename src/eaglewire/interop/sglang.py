@@ -34,7 +34,8 @@ import torch
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import TapError, UsageError
 from ..taps import CONVENTIONS, TapContract, sglang_convention, sglang_default_taps
-from .common import (IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, check_flag_values,
+from .common import (AS_WRITTEN_KEYS, IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, as_written,
+                     check_flag_values,
                      complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes, window_from_hf)
 from .engine_view import EngineView, FlagView
 
@@ -121,7 +122,17 @@ def choose_ids(contract: TapContract, model_type: str | None, version: str | Non
     return ids, conv, notes
 
 
-def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_version: str | None):
+CARRIED = "llama-eagle3-config"  # Reading.carried["format"] of an SGLang / SpecForge import
+
+
+def carried_of(cfg: dict) -> dict:
+    """The rope/window keys of a LlamaForCausalLMEagle3 config as written (SpecForge on transformers 5 writes
+    rope_parameters), for an export to this format to write them back."""
+    return {"format": CARRIED, "layer": {k: cfg[k] for k in AS_WRITTEN_KEYS if k in cfg}}
+
+
+def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_version: str | None,
+           carried: dict | None = None):
     """-> (config dict, tensors, ids, convention, notes). Pure: writes nothing."""
     c = model.config
     version = parse_version(engine_version)
@@ -133,7 +144,10 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_versi
         notes.append(f"the draft attends with a sliding window of {c.sliding_window} positions: SGLang applies it "
                      f"only when served with --speculative-draft-window-size {c.sliding_window} (in the command "
                      "below); a release without that flag attends to every position")
-    cfg = {"architectures": [ARCH], **hf_fields(c), "draft_vocab_size": c.draft_vocab_size,
+    layer = hf_fields(c)
+    if (carried or {}).get("format") == CARRIED:
+        layer = as_written(layer, carried.get("layer"), c, "the imported draft's config")
+    cfg = {"architectures": [ARCH], **layer, "draft_vocab_size": c.draft_vocab_size,
            # SGLang reads the ids only here (model_runner.py); the nested key is mandatory.
            "eagle_config": {IDS_KEY: ids, "use_aux_hidden_state": True},
            **{f: getattr(c, f) for f in NORM_FLAGS},
@@ -278,4 +292,5 @@ def read(dd: DraftDir, *, model_type: str | None, num_layers: int, vocab_size: i
     if view.default_used:
         notes.append(f"no eagle_config.{IDS_KEY}: SGLang captures its default taps {list(contract.taps)}")
     return Reading(source=NAME, convention=view.convention or "sglang-default", config=config, tensors=tensors,
-                   contract=contract, ids=view.ids, ids_where=view.ids_where, notes=tuple(notes))
+                   contract=contract, ids=view.ids, ids_where=view.ids_where, notes=tuple(notes),
+                   carried=carried_of(dd.config))
