@@ -128,7 +128,8 @@ CARRIED = "llama-eagle3-config"  # Reading.carried["format"] of an SGLang / Spec
 def carried_of(cfg: dict) -> dict:
     """The rope/window keys of a LlamaForCausalLMEagle3 config as written (SpecForge on transformers 5 writes
     rope_parameters), for an export to this format to write them back."""
-    return {"format": CARRIED, "layer": {k: cfg[k] for k in AS_WRITTEN_KEYS if k in cfg}}
+    return {"format": CARRIED, "layer": {k: cfg[k] for k in AS_WRITTEN_KEYS if k in cfg},
+            "flags": [f for f in NORM_FLAGS if f in cfg]}
 
 
 def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_version: str | None,
@@ -144,13 +145,16 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_versi
         notes.append(f"the draft attends with a sliding window of {c.sliding_window} positions: SGLang applies it "
                      f"only when served with --speculative-draft-window-size {c.sliding_window} (in the command "
                      "below); a release without that flag attends to every position")
-    layer = hf_fields(c)
+    layer, written = hf_fields(c), NORM_FLAGS
     if (carried or {}).get("format") == CARRIED:
         layer = as_written(layer, carried.get("layer"), c, "the imported draft's config")
+        # A flag the source left out stays out where it is False (SGLang's default for each): SpecForge's own
+        # class reads an explicit norm_output=false as "no final norm before lm_head" (llama3_eagle.py).
+        written = tuple(carried.get("flags") or ())
     cfg = {"architectures": [ARCH], **layer, "draft_vocab_size": c.draft_vocab_size,
            # SGLang reads the ids only here (model_runner.py); the nested key is mandatory.
            "eagle_config": {IDS_KEY: ids, "use_aux_hidden_state": True},
-           **{f: getattr(c, f) for f in NORM_FLAGS},
+           **{f: getattr(c, f) for f in NORM_FLAGS if f in written or getattr(c, f)},
            PROVENANCE_KEY: provenance(NAME, conv, contract, target, engine_version or LATEST, c)}
     tensors = _engine_names({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, version)
     return cfg, tensors, ids, conv, notes
