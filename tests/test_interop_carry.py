@@ -216,3 +216,13 @@ def test_specforge_hf_export_round_trips_into_the_sglang_format(tmp_path):
     again, _ = interop.load_any(tmp_path / "out")
     for x, y in zip(probe_logits(first), probe_logits(again)):
         assert torch.equal(x, y)
+
+
+def test_the_import_command_says_which_target_it_used(tmp_path, capsys):
+    from eaglewire.cli import main
+
+    verifier = _verifier(tmp_path)
+    _speculators_dir(tmp_path / "theirs", str(verifier))
+    assert main(["import", "--from", str(tmp_path / "theirs"), "--out", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert f"target {verifier} (config.json speculators_config.verifier.name_or_path" in out
