@@ -35,8 +35,8 @@ from ..draft import DraftConfig, Eagle3Draft
 from ..errors import TapError, UsageError
 from ..taps import CONVENTIONS, TapContract, sglang_convention, sglang_default_taps
 from .common import (AS_WRITTEN_KEYS, IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, as_written,
-                     check_flag_values,
-                     complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes, window_from_hf)
+                     check_flag_values, complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes,
+                     window_from_hf)
 from .engine_view import EngineView, FlagView
 
 NAME = "sglang"
@@ -140,8 +140,8 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_versi
     check_exportable(c, contract, version)
     ids, conv, notes = choose_ids(contract, target.get("model_type"), engine_version)
     if c.sliding_window is not None:
-        # llama_eagle3.py LlamaForCausalLMEagle3.__init__ takes the draft's window from the server argument
-        # speculative_draft_window_size alone; config.json's layer_types/sliding_window only record it.
+        # 0.5.17 llama_eagle3.py:276-288 (LlamaForCausalLMEagle3.__init__) takes the draft's window from the server
+        # argument speculative_draft_window_size alone; config.json's layer_types/sliding_window only record it.
         notes.append(f"the draft attends with a sliding window of {c.sliding_window} positions: SGLang applies it "
                      f"only when served with --speculative-draft-window-size {c.sliding_window} (in the command "
                      "below); a release without that flag attends to every position")
