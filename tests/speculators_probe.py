@@ -49,15 +49,18 @@ def write(out_dir: str, inputs_path: str, out: str, flags_json: str) -> dict:
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     flags = json.loads(flags_json)
+    # "layer": more LlamaConfig keys (a window as scripts/train.py create_transformer_layer_config sets one);
+    # "verifier": the verifier's path, recorded as speculators_config.verifier.name_or_path
+    extra, verifier = flags.pop("layer", {}), flags.pop("verifier", None)
     layer = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                        max_position_embeddings=256, tie_word_embeddings=False)
+                        max_position_embeddings=256, tie_word_embeddings=False, **extra)
     layer._attn_implementation = "eager"
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=64, eagle_aux_hidden_state_layer_ids=flags.pop("ids"),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None,
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=verifier,
                                                                      architectures=["LlamaForCausalLM"])),
         **flags)
     torch.manual_seed(1234)

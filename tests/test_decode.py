@@ -574,3 +574,33 @@ def test_captured_functions_never_read_the_device(llama, seqs, drafts, monkeypat
             dec.generate(p, 24, nucleus, seed=0)
     assert {"TargetRunner", "DraftRunner"} <= set(traced) and len(traced) >= 8
     assert not sorts
+
+
+def test_a_windowed_draft_decodes_alike_on_the_host_and_compiled(llama, seqs, drafts):
+    """A draft with a sliding window (speculators' default; draft.py `_windowed`) through the decoder: the host
+    runner and the compiled static one propose the same tokens (the same acceptance at every step; compiled for the
+    chain only, a tree's compile takes minutes on a CPU), the output is the target's greedy, and the window changes
+    what the draft proposes."""
+    import dataclasses
+
+    from eaglewire.draft import Eagle3Draft
+
+    trained, meta = drafts["trained"]
+    windowed = Eagle3Draft(dataclasses.replace(trained.config, sliding_window=3)).eval()
+    windowed.load_state_dict(trained.state_dict())
+    ps = prompts(seqs)[:3]
+    torch._dynamo.reset()
+    for shape in (CHAIN, TREE):
+        runs = {}
+        for name, d, kw in (("host", windowed, {}), ("compiled", windowed, dict(compile=True)),
+                            ("unwindowed", trained, {})):
+            if name == "compiled" and shape is TREE:
+                runs[name] = runs["host"]
+                continue
+            dec = decoder(llama, d, meta, **kw, **shape)
+            runs[name] = [dec.generate(p, 16) for p in ps]
+        for p, host, comp in zip(ps, runs["host"], runs["compiled"]):
+            assert host.tokens == comp.tokens == reference_greedy(llama.model, p, 16)
+            assert host.accepted_per_step == comp.accepted_per_step, shape
+        assert [r.accepted_per_step for r in runs["host"]] != [r.accepted_per_step for r in runs["unwindowed"]]
+    torch._dynamo.reset()

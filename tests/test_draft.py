@@ -405,3 +405,70 @@ def test_a_deepened_draft_predicts_as_before_until_its_new_layers_train():
     assert deep.layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
     with pytest.raises(UsageError, match="deepens to more, not to 1"):
         m.deepened(1)
+
+
+# --- sliding window (speculators trains its draft layer with one; vLLM applies it: vllm llama.py:182-201) ----
+
+def _one_layer_windowed(W):
+    base = tiny_model(num_layers=1)
+    windowed = Eagle3Draft(dataclasses.replace(base.config, sliding_window=W)).eval()
+    windowed.load_state_dict(base.state_dict())
+    return base, windowed
+
+
+@pytest.mark.parametrize("W,T", [(4, 11), (2048, 2060)])
+def test_a_windowed_draft_sees_exactly_the_last_W_positions(W, T):
+    """One layer: the query at position p with window W reads what an unwindowed draft reads from positions
+    p-W+1..p alone, so past position W the logits equal the unwindowed draft's over that slice."""
+    base, windowed = _one_layer_windowed(W)
+    ids, hidden, pos = inputs(base, B=1, T=T)
+    with torch.no_grad():
+        full, _ = windowed(ids, hidden, pos)
+        for p in (W - 1, W, T - 1):
+            lo = max(0, p - W + 1)
+            ref, _ = base(ids[:, lo:p + 1], hidden[:, lo:p + 1], pos[:, lo:p + 1])
+            torch.testing.assert_close(full[0, p], ref[0, -1], **TOL)
+        plain, _ = base(ids, hidden, pos)
+    assert torch.equal(full[0, :W], plain[0, :W])  # inside the window: no change at all
+    assert not torch.allclose(full[0, W:], plain[0, W:])
+
+
+@pytest.mark.parametrize("max_len", [None, 32])
+def test_a_windowed_draft_decodes_through_its_cache_as_in_one_pass(max_len):
+    base = tiny_model(num_layers=2)
+    m = Eagle3Draft(dataclasses.replace(base.config, sliding_window=3)).eval()
+    m.load_state_dict(base.state_dict())
+    ids, hidden, pos = inputs(m, B=2, T=9)
+    with torch.no_grad():
+        full, _ = m(ids, hidden, pos)
+        cache = m.new_cache(2, max_len)
+        parts = [m(ids[:, a:b], hidden[:, a:b], pos[:, a:b], cache=cache)[0] for a, b in ((0, 5), (5, 6), (6, 9))]
+    torch.testing.assert_close(torch.cat(parts, 1), full, **TOL)
+    assert not torch.allclose(full, base(ids, hidden, pos)[0])
+
+
+def test_a_windowed_ttt_step_sees_keys_by_position():
+    """TTT step 1 (positions p+1 over the step-0 keys and its own diagonal): the window counts positions."""
+    m = tiny_model(num_layers=1, sliding_window=2)
+    ids, hidden, pos = inputs(m, B=1, T=6)
+    with torch.no_grad():
+        cache = m.new_cache(1)
+        _, h = m(ids, hidden, pos, cache=cache)
+        l1, _ = m(ids, h, pos + 1, cache=cache, attn_mask=ttt_mask(6, 1))
+        # by hand: position t+1 sees step-0 key t (distance 1) and its own step-1 key; step-0 key t-1 is 2 away
+        keys = torch.cat([pos, pos + 1], 1)
+        allowed = ttt_mask(6, 1)[0, 0] & ((pos[0, :, None] + 1 - keys[0][None]) < 2)
+        assert allowed.sum(1).tolist() == [2, 2, 2, 2, 2, 2]
+        cache2 = m.new_cache(1)
+        m(ids, hidden, pos, cache=cache2)
+        cfg_plain = dataclasses.replace(m.config, sliding_window=None)
+        plain = Eagle3Draft(cfg_plain).eval()
+        plain.load_state_dict(m.state_dict())
+        ref, _ = plain(ids, h, pos + 1, cache=cache2, attn_mask=allowed[None, None])
+    torch.testing.assert_close(l1, ref, **TOL)
+
+
+def test_sliding_window_must_be_a_positive_integer():
+    with pytest.raises(UsageError, match="sliding_window"):
+        tiny_config(sliding_window=0)
+    assert tiny_config().sliding_window is None

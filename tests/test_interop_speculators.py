@@ -87,3 +87,89 @@ def test_speculators_own_checkpoint_imports_with_the_same_logits(probed, name, t
         assert getattr(m.config, f) is flags.get(f, False), f
     theirs = load_file(d / "out.safetensors")
     _same_logits(draft_steps(m, inputs["taps"], inputs["input_ids"], inputs["position_ids"]), theirs)
+
+
+# --- a speculators checkpoint through import and export, and back into speculators' own loader ----------------
+
+WINDOW = 4  # speculators trains with 2048 (train/config/schema.py); 4 shows at T = 7
+LAYER_READ = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "num_hidden_layers", "max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
+              "rms_norm_eps", "hidden_act", "attention_bias", "mlp_bias", "sliding_window", "layer_types",
+              "use_sliding_window")
+TOP_READ = ("speculators_model_type", "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+            *FLAG_NAMES)
+
+
+@pytest.fixture(scope="module")
+def round_trip(tmp_path_factory):
+    """speculators writes a windowed draft that records its verifier; we import it without --target and export it
+    to the speculators format; speculators loads that export with its own from_pretrained (offline: the verifier is
+    a local directory) and runs it. Two probe processes: the write, then the load."""
+    py = speculators_python()
+    root = tmp_path_factory.mktemp("speculators-rt")
+    verifier = root / "verifier"
+    tiny_model("llama").save_pretrained(verifier)
+    inputs = _inputs(root / "in.safetensors", 3 * 32)
+    flags = dict(norm_before_residual=True, ids=[1, 3, 7], verifier=str(verifier),
+                 layer=dict(sliding_window=WINDOW, use_sliding_window=True, layer_types=["sliding_attention"]))
+    run_probe(py, "write", root / "theirs", root / "in.safetensors", root / "theirs.safetensors", json.dumps(flags))
+    path, meta = interop.import_draft(root / "theirs", root / "ours")  # the recorded verifier is the target
+    interop.export_draft(path, "speculators", root / "again")
+    info = json.loads(run_probe(py, "run", root / "again", root / "in.safetensors",
+                                root / "again.safetensors").strip().splitlines()[-1])
+    return root, meta, inputs, info
+
+
+def test_speculators_round_trip_keeps_every_field_it_reads(round_trip):
+    root, meta, _, info = round_trip
+    assert meta.target_from.startswith(str(root / "verifier"))
+    theirs, again = (json.loads((root / d / "config.json").read_text()) for d in ("theirs", "again"))
+    for k in TOP_READ:
+        assert again.get(k) == theirs.get(k), k
+    lt, la = theirs["transformer_layer_config"], again["transformer_layer_config"]
+    assert {k: la.get(k) for k in LAYER_READ} == {k: lt.get(k) for k in LAYER_READ}
+    assert lt["layer_types"] == ["sliding_attention"] and lt["sliding_window"] == WINDOW  # as speculators wrote
+    assert again["speculators_config"]["verifier"] == theirs["speculators_config"]["verifier"]
+    a, b = load_file(root / "theirs" / "model.safetensors"), load_file(root / "again" / "model.safetensors")
+    assert set(b) >= set(a) and all(torch.equal(a[k], b[k]) for k in a)
+    assert info["class"] == "Eagle3DraftModel" and info["layer_ids"] == [1, 3, 7]
+
+
+def test_speculators_runs_the_round_trip_with_its_own_logits(round_trip):
+    """speculators' own model on its own checkpoint, and on ours after import and export: the same logits."""
+    root, *_ = round_trip
+    theirs, again = load_file(root / "theirs.safetensors"), load_file(root / "again.safetensors")
+    for k in ("logits0", "logits1", "d2t", "t2d"):
+        assert torch.equal(theirs[k], again[k]), k
+
+
+def test_the_imported_window_attends_as_speculators_trained_it(round_trip):
+    """TTT step 0 past the window: our logits equal speculators'. Step 1: speculators' training mask windows the
+    step-0 keys by INDEX (models/eagle3/attention.py:16-19, kv_idx > q_idx - W, the query's own step-1 key added),
+    while vLLM serves by POSITION (a step-1 query sits one position later), as eaglewire's draft does: so step 1
+    is compared under speculators' index mask, and differs under eaglewire's own rule only at the window's edge."""
+    import dataclasses
+
+    from eaglewire.draft import Eagle3Draft, causal_mask
+
+    root, _, inputs, _ = round_trip
+    m, _ = load_draft(root / "ours")
+    assert m.config.sliding_window == WINDOW
+    theirs = load_file(root / "theirs.safetensors")
+    taps, ids, pos = inputs["taps"], inputs["input_ids"], inputs["position_ids"]
+    T = ids.shape[1]
+    ours0, ours1 = draft_steps(m, taps, ids, pos)
+    assert torch.allclose(ours0, theirs["logits0"], atol=ATOL, rtol=0)
+    plain = Eagle3Draft(dataclasses.replace(m.config, sliding_window=None)).eval()
+    plain.load_state_dict(m.state_dict())
+    near = causal_mask(T, T) & (torch.arange(T)[:, None] - torch.arange(T)[None] < WINDOW)
+    index_mask = torch.cat([near, torch.eye(T, dtype=torch.bool)], 1)[None, None]
+    with torch.no_grad():
+        cache = m.new_cache(1)
+        _, h = m(ids, m.fuse(taps), pos, cache=cache)  # step 0 windowed, as both count it
+        ids1 = torch.cat([ids[:, 1:], torch.zeros(1, 1, dtype=torch.long)], dim=1)
+        theirs1, _ = plain(ids1, h, pos + 1, cache=cache, attn_mask=index_mask)
+    assert torch.allclose(theirs1, theirs["logits1"], atol=ATOL, rtol=0)
+    edge = torch.arange(T) >= WINDOW - 1  # the rows whose window lost a step-0 key to the position rule
+    assert torch.allclose(ours1[0, ~edge], theirs["logits1"][0, ~edge], atol=ATOL, rtol=0)
+    assert not torch.allclose(ours1[0, edge], theirs["logits1"][0, edge], atol=ATOL, rtol=0)

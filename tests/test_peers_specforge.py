@@ -219,3 +219,35 @@ def test_train_refuses_data_without_manifest(tmp_path):
     (tmp_path / "d").mkdir()
     with pytest.raises(ValueError, match="no eaglewire-peer.json"):
         ps.train(tmp_path / "d", tmp_path, tmp_path / "o", seconds=1, python=sys.executable)
+
+
+SGLANG_READ = ("architectures", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "num_hidden_layers", "vocab_size", "max_position_embeddings", "rope_parameters",
+               "rope_theta", "rope_scaling", "rms_norm_eps", "hidden_act", "tie_word_embeddings", "draft_vocab_size",
+               "eagle_config")
+
+
+def test_specforge_export_round_trips_back_into_its_format(pipeline):
+    """SpecForge's own `export --to hf` -> `eaglewire import` (the fixture) -> `eaglewire export --format sglang`
+    (SpecForge's HF export IS the SGLang format, export/to_sglang.py): the fields SGLang reads as SpecForge wrote
+    them, SpecForge's tensors, and SpecForge's own draft class on our export gives its logits bit for bit."""
+    root, r = pipeline["root"], pipeline["result"]
+    py = peers_python()
+    assert eaglewire_main(["export", "--draft", str(root / "ours"), "--format", "sglang", "--out",
+                           str(root / "again")]) == 0
+    theirs = json.loads((Path(r["checkpoint"]) / "config.json").read_text())
+    again = json.loads((root / "again" / "config.json").read_text())
+    for cfg in (theirs, again):  # absent, SGLang reads it as True (spec_aux_hidden_state.py:86-88)
+        cfg["eagle_config"].setdefault("use_aux_hidden_state", True)
+    assert {k: again.get(k) for k in SGLANG_READ} == {k: theirs.get(k) for k in SGLANG_READ}
+    a, b = load_file(Path(r["checkpoint"]) / "model.safetensors"), load_file(root / "again" / "model.safetensors")
+    for k, v in a.items():
+        assert torch.equal(b[k].to(v.dtype), v) and b[k].dtype == v.dtype, k
+    out = root / "again-logits.safetensors"
+    run = subprocess.run([str(py), "-c", PROBE, str(Path(ps.__file__).parent), str(root / "data"), str(root / "again"),
+                          str(root / "inputs.safetensors"), str(out), str(root / "sample0-again.safetensors")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, second = load_file(root / "theirs.safetensors"), load_file(out)
+    for k in ("logits0", "logits1"):
+        assert torch.equal(first[k], second[k]), k

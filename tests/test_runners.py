@@ -192,3 +192,37 @@ def test_autotuning_skips_are_not_logged_as_errors():
 
     assert not passes("Runtime error during autotuning: \n%s. \nIgnoring this choice.")
     assert passes("something else went wrong: %s")
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_windowed_draft_runner_counts_positions_through_a_moved_tree_branch(static):
+    """A draft with a sliding window (speculators' default, vLLM applies it) in the slot runner: the window is over
+    positions, and a committed tree branch's slots move down with their positions. Reference: the draft's own
+    uncached forward over the accepted sequence."""
+    import dataclasses
+
+    from eaglewire.draft import Eagle3Draft
+
+    plain = new_draft(tiny_model("llama"), draft_vocab=100)
+    d = Eagle3Draft(dataclasses.replace(plain.config, sliding_window=3)).eval()
+    d.load_state_dict(plain.state_dict())
+    seq, taps = torch.randint(0, 128, (12,)), torch.randn(12, 96)
+    r = DraftRunner(d, static=static, cuda_graphs=False, sizes=(1, 4), max_pending=4)
+    r.reset(32)
+    logits, _ = r.forward({"ids": seq[:6], "taps": taps[:6]}, torch.arange(6), torch.ones(6, 6, dtype=torch.bool).tril())
+    r.commit(6)
+    with torch.no_grad():
+        full, _ = d(seq[None, :6], d.fuse(taps[None, :6]), torch.arange(6)[None])
+    torch.testing.assert_close(logits, full[0], atol=1e-5, rtol=1e-5)
+    # a tree: 6 (depth 0), two children at position 7, a grandchild at 8 under the second; keep 6, 7, 8: the
+    # grandchild's slot moves down over the second child's, which held position 7
+    block = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    pick = [6, 11, 7, 8]
+    r.forward({"ids": seq[pick], "taps": taps[pick]}, torch.tensor([6, 7, 7, 8]), block)
+    r.commit([0, 2, 3])
+    logits, _ = r.forward({"ids": seq[9:11], "taps": taps[9:11]}, 9, torch.ones(2, 2, dtype=torch.bool).tril())
+    with torch.no_grad():
+        full, _ = d(seq[None, :11], d.fuse(taps[None, :11]), torch.arange(11)[None])
+        unwindowed, _ = plain(seq[None, :11], plain.fuse(taps[None, :11]), torch.arange(11)[None])
+    torch.testing.assert_close(logits, full[0, 9:11], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits, unwindowed[0, 9:11], atol=1e-3)

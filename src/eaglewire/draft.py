@@ -296,6 +296,16 @@ class Eagle3Draft(nn.Module):
                 raise EaglewireError(f"draft forward: attn_mask must be bool ({B} or 1, 1, {T}, {S}) "
                                      f"(queries x cached+new keys), got {attn_mask.dtype} {tuple(attn_mask.shape)}")
 
+    def _windowed(self, position_ids, cache, attn_mask) -> torch.Tensor:
+        """attn_mask (None: causal) AND the sliding window over POSITIONS, not cache slots: a key at position k is
+        seen from position p only if p - k < W. The cache records each key's position (`key_positions`), so
+        training (TTT steps), tree rows and moved slots all keep their true distance."""
+        T = position_ids.shape[1]
+        keys = position_ids if cache is None else cache.key_positions(position_ids)  # (B, S)
+        near = (position_ids[:, None, :, None] - keys[:, None, None, :]) < self.config.sliding_window
+        base = causal_mask(T, keys.shape[1], position_ids.device)[None, None] if attn_mask is None else attn_mask
+        return base & near
+
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 cache: "KVCache | None" = None, attn_mask: torch.Tensor | None = None):
         """One draft step -> (logits (B, T, draft_vocab), hidden_out (B, T, H)).
@@ -306,6 +316,8 @@ class Eagle3Draft(nn.Module):
         Every query row of attn_mask must allow at least one key.
         """
         self._check_inputs(input_ids, hidden, position_ids, cache, attn_mask)
+        if self.config.sliding_window is not None:
+            attn_mask = self._windowed(position_ids, cache, attn_mask)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         cos, sin = self._rope(position_ids, hidden.dtype)
         h = self.layers[0](embeds, hidden, cos, sin, cache, attn_mask)
@@ -331,6 +343,7 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._lens = [0] * num_layers
+        self.positions: torch.Tensor | None = None  # (B, len): each key's position, kept for a windowed draft
 
     @property
     def static(self) -> bool:
@@ -358,6 +371,18 @@ class KVCache:
             self.v[layer] = torch.cat([self.v[layer][:, :, :n].to(v.dtype), v], dim=2)
         self._lens[layer] = n + T
         return self.k[layer][:, :, :n + T], self.v[layer][:, :, :n + T]
+
+    def key_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Record the positions (B, T) of the keys a forward is about to append; -> (B, S) every key's position.
+        Called once per forward, before the layers append."""
+        n, T = self.length, position_ids.shape[1]
+        if self.positions is None:
+            self.positions = position_ids.new_zeros(self.batch_size, self.max_len or 0)
+        if self.static:
+            self.positions[:, n:n + T] = position_ids
+        else:
+            self.positions = torch.cat([self.positions[:, :n], position_ids.expand(self.batch_size, T)], dim=1)
+        return self.positions[:, :n + T]
 
     def crop(self, n: int) -> None:
         """Forget every position from n on (rejected draft tokens)."""
@@ -391,6 +416,13 @@ class KVCache:
                     buf[:, :, start:start + n].copy_(sel)
                 else:
                     store[i] = torch.cat([buf[:, :, :start], sel], dim=2)
+        if self.positions is not None:
+            p = self.positions
+            sel = p.index_select(1, idx) if idx.dim() == 1 else torch.gather(p, 1, idx)
+            if self.static:
+                p[:, start:start + n] = sel
+            else:
+                self.positions = torch.cat([p[:, :start], sel], dim=1)
         self._lens = [start + n] * self.num_layers
 
     def reset(self) -> None:

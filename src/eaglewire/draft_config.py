@@ -44,6 +44,10 @@ class DraftConfig:
         speculators / vLLM EAGLE 3.1 meaning (speculators trainer default True). SpecForge's
         `norm_output` means something else: whether the final norm precedes lm_head at all
         (llama3_eagle.py compute_logits, default True) - always true here.
+    sliding_window: None (full causal attention) or W: every draft layer's query at position p sees
+        only keys at positions > p - W (transformers' and vLLM's meaning: vllm
+        model_executor/models/llama.py:182-201 gives a "sliding_attention" layer config.sliding_window).
+        speculators trains its draft layer with W = 2048 by default.
     """
 
     hidden_size: int
@@ -65,6 +69,7 @@ class DraftConfig:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self):
         def bad(field, why):
@@ -84,6 +89,9 @@ class DraftConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(f, "must be a positive integer" + (" (or set head_dim: hidden_size is not a multiple of "
                                                        "num_attention_heads)" if f == "head_dim" else ""))
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            bad("sliding_window", "must be null (full attention) or a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             bad("num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
         if self.head_dim % 2:

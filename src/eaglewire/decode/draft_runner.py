@@ -27,6 +27,13 @@ class DraftRunner(SlotRunner):
     def _layers(self) -> list[Slots]:
         return self.kv.layers
 
+    def move_rows(self, feed: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+        dst = super().move_rows(feed, width)
+        pos = self.kv.positions if self.kv is not None else None
+        if pos is not None:  # a windowed draft's slot positions move with their K/V
+            pos.index_copy_(1, dst, pos.index_select(1, feed["src"]))
+        return dst
+
     def _run(self, inputs, pos, mask):
         hidden = self.draft.fuse(inputs["taps"]) if "taps" in inputs else inputs["hidden"]
         return self.draft(inputs["ids"], hidden, pos, cache=self.kv, attn_mask=mask)

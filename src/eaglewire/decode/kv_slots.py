@@ -107,6 +107,15 @@ class DraftSlotCache:
     def __init__(self, book: Book, num_layers: int):
         self.book, arena = book, Arena(num_layers)
         self.layers = [Slots(book, arena, i) for i in range(num_layers)]
+        self.positions: torch.Tensor | None = None  # (B, max_len): each slot's position (a windowed draft only)
+
+    def key_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Write the new rows' positions (B, Ts) at book.slots; -> (B, view_len) every slot's position. Slots
+        never written hold 0: the runner's own mask already hides them."""
+        if self.positions is None:  # made in the first (eager) forward, like the K/V buffers
+            self.positions = position_ids.new_zeros(position_ids.shape[0], self.book.max_len)
+        self.positions.index_copy_(1, self.book.slots, position_ids)
+        return self.positions[:, :self.book.view_len]
 
     @property
     def length(self) -> int:  # keys before the new ones in the view the draft attends over

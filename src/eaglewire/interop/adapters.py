@@ -38,6 +38,7 @@ class ExportRequest:
     engine_version: str | None
     spec: serve.SpecArgs
     target_path: str | None
+    carried: dict = field(default_factory=dict)  # Reading.carried of the draft's import, if it was imported
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,9 +82,9 @@ def _sglang_read(dd: DraftDir, f: Facts) -> list[Reading]:
 
 
 def _sglang_export(model, contract, target: dict, r: ExportRequest) -> Exported:
-    cfg, tensors, ids, conv, notes = sglang.export(model, contract, target, r.engine_version)
+    cfg, tensors, ids, conv, notes = sglang.export(model, contract, target, r.engine_version, r.carried)
     text = serve.sglang_text(str(r.out), ids, conv, contract, target, r.engine_version or sglang.LATEST, r.spec,
-                             r.target_path, notes)
+                             r.target_path, notes, window=model.config.sliding_window)
     return Exported(config=cfg, tensors=tensors, ids=ids, convention=conv, notes=notes, serve_text=text)
 
 
@@ -98,7 +99,8 @@ def _vllm(engine: str) -> dict:
         return [vllm.read(dd, engine=engine, num_layers=f.num_layers, vocab_size=f.vocab_size)]
 
     def export(model, contract, target: dict, r: ExportRequest) -> Exported:
-        cfg, tensors, ids, conv, notes = vllm.export(model, contract, target, r.fmt, r.spec.num_steps, r.target_path)
+        cfg, tensors, ids, conv, notes = vllm.export(model, contract, target, r.fmt, r.spec.num_steps, r.target_path,
+                                                     r.carried)
         text = serve.vllm_text(str(r.out), ids, contract, target, r.spec.num_steps, r.fmt, r.target_path, notes)
         return Exported(config=cfg, tensors=tensors, ids=ids, convention=conv, notes=notes, serve_text=text)
 

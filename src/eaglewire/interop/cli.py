@@ -26,6 +26,8 @@ def cmd_import(args) -> int:
     path, meta = import_draft(args.src, args.out, source=args.source, target=args.target,
                               engine_version=args.engine_version)
     print(f"imported {args.src} ({meta.source}, convention {meta.convention}) -> {path}")
+    if meta.target_from:
+        print(f"target {meta.target_from}")
     print(f"taps {list(meta.contract.taps)} of {meta.contract.num_layers} layers"
           + (f" (ids {meta.ids} from {meta.ids_where})" if meta.ids is not None else ""))
     for n in meta.notes:

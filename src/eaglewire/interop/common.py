@@ -25,6 +25,11 @@ IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 # Every export records what it wrote, so our own importer never has to guess a convention.
 PROVENANCE_KEY = "eaglewire"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types values
+# Layer-config keys an engine reads that DraftConfig does not hold in the source's own words: an import keeps them
+# as written (Reading.carried) and an export to the same format writes them back where they still describe the draft.
+AS_WRITTEN_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "layer_types", "use_sliding_window",
+                   "sliding_window")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +99,9 @@ class Reading:
     ids_where: str | None
     target: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    # What the source wrote that an engine reads and DraftConfig holds only in eaglewire's words (the layer config's
+    # rope/window keys, the verifier): {"format", "layer", "verifier"}. Kept in the imported checkpoint for export.
+    carried: dict = field(default_factory=dict)
 
     def key(self) -> tuple:
         """What must agree between two readings for the choice of source not to matter."""
@@ -131,6 +139,52 @@ def draft_fields_from_hf(cfg: dict, where: str) -> dict:
                 hidden_act=cfg.get("hidden_act") or "silu")
 
 
+def window_from_hf(cfg: dict, where: str) -> int | None:
+    """The sliding window a LlamaConfig-style layer config gives its layers, as vLLM and speculators read it: only
+    through layer_types (vllm model_executor/models/llama.py:182-201: a "sliding_attention" layer gets
+    config.sliding_window; speculators models/eagle3/core.py:97-105 the same); use_sliding_window is not read."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return None
+    n = cfg.get("num_hidden_layers") or 1
+    if not isinstance(types, list) or len(types) < n or not set(types) <= {SLIDING, FULL}:
+        raise UsageError(f"{where}: layer_types must list {SLIDING!r} or {FULL!r} for each of the {n} draft "
+                         f"layer(s), got {types!r}")
+    kinds = set(types[:n])
+    if kinds == {FULL}:
+        return None
+    if kinds != {SLIDING}:
+        raise UsageError(f"{where}: layer_types {types[:n]} mixes sliding and full attention; eaglewire drafts apply "
+                         "one window to every layer: import a draft whose layers all slide or none do")
+    w = cfg.get("sliding_window")
+    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+        raise UsageError(f"{where}: layer_types says {SLIDING} but sliding_window is {w!r}: set it to the window "
+                         "the draft was trained with (speculators' default is 2048)")
+    return w
+
+
+def window_fields(c: DraftConfig) -> dict:
+    """The layer-config keys of a draft's window, as speculators' scripts/train.py writes them."""
+    if c.sliding_window is None:
+        return {}
+    return {"sliding_window": c.sliding_window, "layer_types": [SLIDING] * c.num_layers, "use_sliding_window": True}
+
+
+def as_written(layer: dict, written: dict | None, c: DraftConfig, where: str) -> dict:
+    """`layer` (hf_fields) with the rope/window keys as the source wrote them (Reading.carried["layer"]), where
+    they still read back as this draft's config; else `layer` unchanged (the draft changed since its import)."""
+    if not written:
+        return layer
+    out = {k: v for k, v in layer.items() if k not in AS_WRITTEN_KEYS or k in written} | dict(written)
+    try:
+        mine = {k: getattr(c, k) for k in ("rope_theta", "rope_scaling")}
+        theirs = DraftConfig(**{**c.to_dict(), **{k: draft_fields_from_hf(out, where)[k] for k in mine}})
+        same = ({k: getattr(theirs, k) for k in mine} == mine and window_from_hf(out, where) == c.sliding_window)
+    except UsageError:
+        same = False
+    return out if same else layer
+
+
 def hf_fields(c: DraftConfig) -> dict:
     """A LlamaConfig-style dict for a draft: what SGLang, vLLM and speculators build the layer from."""
     d = {"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
@@ -140,7 +194,7 @@ def hf_fields(c: DraftConfig) -> dict:
          "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None, "rms_norm_eps": c.rms_norm_eps,
          "hidden_act": c.hidden_act, "attention_bias": False, "mlp_bias": False,
          # tie_word_embeddings=True makes SGLang use embed_tokens as lm_head (llama_eagle3.py __init__).
-         "tie_word_embeddings": False}
+         "tie_word_embeddings": False, **window_fields(c)}
     if c.target_hidden_size != c.hidden_size:
         d["target_hidden_size"] = c.target_hidden_size
     return d

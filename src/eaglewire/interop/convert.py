@@ -40,8 +40,10 @@ def export_draft(draft, fmt: str, out, *, engine_version: str | None = None, spe
     out = Path(out)
     target = dict(meta.target)
     target.setdefault("num_layers", meta.contract.num_layers)
+    imported = (meta.training or {}).get("imported_from") if isinstance(meta.training, dict) else None
+    carried = (imported or {}).get("carried") if isinstance(imported, dict) else None
     request = ExportRequest(fmt=fmt, out=out, engine_version=engine_version, spec=spec or serve.SpecArgs(),
-                            target_path=target_path)
+                            target_path=target_path, carried=carried if isinstance(carried, dict) else {})
     x = ADAPTERS[fmt].export(model, meta.contract, target, request)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out}: exists and is not empty; choose a new --out directory")

@@ -5,7 +5,7 @@ plausible readings, one chosen or a UsageError saying which flag decides), the d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,11 +51,14 @@ class ImportMeta:
     ids_where: str | None = None
     notes: tuple[str, ...] = ()
     config: object = None  # DraftConfig
+    carried: dict = field(default_factory=dict)  # Reading.carried: written back by an export to the same format
+    target_from: str | None = None  # where the target came from when no --target was given (recorded_target)
 
     def to_dict(self) -> dict:
         return {"path": str(self.path), "source": self.source, "convention": self.convention,
                 "engine_version": self.engine_version, "ids": self.ids, "ids_where": self.ids_where,
-                "taps": list(self.contract.taps), "num_layers": self.contract.num_layers, "notes": list(self.notes)}
+                "taps": list(self.contract.taps), "num_layers": self.contract.num_layers, "notes": list(self.notes),
+                "carried": self.carried, "target_from": self.target_from}
 
 
 def load_target_info(spec: str) -> TargetInfo:
@@ -200,12 +203,38 @@ def load_any(path, source: str | None = None, target: TargetInfo | str | None = 
         return model, ImportMeta(path=p, source="native", convention="canonical", contract=meta.contract,
                                  target=meta.target, config=meta.config)
     t = load_target_info(target) if isinstance(target, str) else target
-    reading, fingerprint = read_foreign(p, source, t, engine_version)
+    dd, target_from, extra = read_dir(p), None, ()
+    if t is None:
+        spec, where = recorded_target(dd)
+        if spec is not None:
+            if _readable(spec):
+                t, target_from = load_target_info(spec), f"{spec} (config.json {where}; --target overrides it)"
+            else:
+                extra = (f"config.json {where} names the target {spec!r}, which is not a model directory or .gguf "
+                         "file here: pass --target to check the draft against it",)
+    reading, fingerprint = read_foreign(dd, source, t, engine_version)
     fingerprint = {**_partial_fingerprint(reading), **(fingerprint or {})}
     model = build_draft(reading, embedding=t.embedding if t is not None else None)
     return model, ImportMeta(path=p, source=reading.source, convention=reading.convention, contract=reading.contract,
                              target=fingerprint, engine_version=engine_version, ids=reading.ids,
-                             ids_where=reading.ids_where, notes=reading.notes, config=reading.config)
+                             ids_where=reading.ids_where, notes=reading.notes + extra, config=reading.config,
+                             carried=reading.carried, target_from=target_from)
+
+
+def recorded_target(dd: DraftDir) -> tuple[str | None, str | None]:
+    """(the target a directory names, the config key naming it), or (None, None). speculators records its
+    verifier (config.py VerifierConfig.name_or_path: "Used to dynamically load the verifier")."""
+    verifier = (dd.config.get("speculators_config") or {}).get("verifier") if vllm.is_speculators(dd.config) else None
+    spec = verifier.get("name_or_path") if isinstance(verifier, dict) else None
+    if isinstance(spec, str) and spec:
+        return spec, "speculators_config.verifier.name_or_path"
+    return None, None
+
+
+def _readable(spec: str) -> bool:
+    """A local model directory or .gguf file: a recorded hub id is never fetched behind the user's back."""
+    p = Path(spec).expanduser()
+    return (p.is_dir() and (p / "config.json").is_file()) or (p.suffix == ".gguf" and p.is_file())
 
 
 def _partial_fingerprint(r: Reading) -> dict:

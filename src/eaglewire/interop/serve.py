@@ -54,11 +54,13 @@ def _taps_line(contract: TapContract, target: dict) -> str:
 
 
 def sglang_text(out: str, ids: list[int], convention: str, contract: TapContract, target: dict,
-                engine_version: str, args: SpecArgs, target_path: str | None, notes: list[str]) -> str:
+                engine_version: str, args: SpecArgs, target_path: str | None, notes: list[str],
+                window: int | None = None) -> str:
     cmd = (f"python -m sglang.launch_server --model-path {target_path or '<target model>'} \\\n"
            f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {out} \\\n"
            f"    --speculative-num-steps {args.num_steps} --speculative-eagle-topk {args.topk} "
-           f"--speculative-num-draft-tokens {args.draft_tokens}")
+           f"--speculative-num-draft-tokens {args.draft_tokens}"
+           + (f" \\\n    --speculative-draft-window-size {window}" if window is not None else ""))
     lines = ["# Serving this draft with SGLang", "", "```bash", cmd, "```", "",
              _taps_line(contract, target), "",
              f"SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` = {ids} from config.json "

@@ -34,8 +34,9 @@ import torch
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import TapError, UsageError
 from ..taps import CONVENTIONS, TapContract, sglang_convention, sglang_default_taps
-from .common import (IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, check_flag_values,
-                     complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes)
+from .common import (AS_WRITTEN_KEYS, IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, as_written,
+                     check_flag_values, complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes,
+                     window_from_hf)
 from .engine_view import EngineView, FlagView
 
 NAME = "sglang"
@@ -121,16 +122,39 @@ def choose_ids(contract: TapContract, model_type: str | None, version: str | Non
     return ids, conv, notes
 
 
-def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_version: str | None):
+CARRIED = "llama-eagle3-config"  # Reading.carried["format"] of an SGLang / SpecForge import
+
+
+def carried_of(cfg: dict) -> dict:
+    """The rope/window keys of a LlamaForCausalLMEagle3 config as written (SpecForge on transformers 5 writes
+    rope_parameters), for an export to this format to write them back."""
+    return {"format": CARRIED, "layer": {k: cfg[k] for k in AS_WRITTEN_KEYS if k in cfg},
+            "flags": [f for f in NORM_FLAGS if f in cfg]}
+
+
+def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_version: str | None,
+           carried: dict | None = None):
     """-> (config dict, tensors, ids, convention, notes). Pure: writes nothing."""
     c = model.config
     version = parse_version(engine_version)
     check_exportable(c, contract, version)
     ids, conv, notes = choose_ids(contract, target.get("model_type"), engine_version)
-    cfg = {"architectures": [ARCH], **hf_fields(c), "draft_vocab_size": c.draft_vocab_size,
+    if c.sliding_window is not None:
+        # 0.5.17 llama_eagle3.py:276-288 (LlamaForCausalLMEagle3.__init__) takes the draft's window from the server
+        # argument speculative_draft_window_size alone; config.json's layer_types/sliding_window only record it.
+        notes.append(f"the draft attends with a sliding window of {c.sliding_window} positions: SGLang applies it "
+                     f"only when served with --speculative-draft-window-size {c.sliding_window} (in the command "
+                     "below); a release without that flag attends to every position")
+    layer, written = hf_fields(c), NORM_FLAGS
+    if (carried or {}).get("format") == CARRIED:
+        layer = as_written(layer, carried.get("layer"), c, "the imported draft's config")
+        # A flag the source left out stays out where it is False (SGLang's default for each): SpecForge's own
+        # class reads an explicit norm_output=false as "no final norm before lm_head" (llama3_eagle.py).
+        written = tuple(carried.get("flags") or ())
+    cfg = {"architectures": [ARCH], **layer, "draft_vocab_size": c.draft_vocab_size,
            # SGLang reads the ids only here (model_runner.py); the nested key is mandatory.
            "eagle_config": {IDS_KEY: ids, "use_aux_hidden_state": True},
-           **{f: getattr(c, f) for f in NORM_FLAGS},
+           **{f: getattr(c, f) for f in NORM_FLAGS if f in written or getattr(c, f)},
            # SGLang builds the draft in the dtype its own config states; none reads as float32, which its default
            # --dtype auto turns into float16 (0.5.17 configs/model_config.py:494, 1663-1684): say bf16, as served
            "torch_dtype": "bfloat16",
@@ -269,9 +293,11 @@ def read(dd: DraftDir, *, model_type: str | None, num_layers: int, vocab_size: i
     notes = complete_vocab(tensors, vocab, draft_vocab, where)
     flags = {f: fv.effective for f, fv in view.norm_flags.items()}
     config = DraftConfig(**draft_fields_from_hf(dd.config, where), vocab_size=vocab, draft_vocab_size=draft_vocab,
-                         target_hidden_size=view.target_hidden_size, num_taps=view.num_aux_expected, **flags)
+                         target_hidden_size=view.target_hidden_size, num_taps=view.num_aux_expected,
+                         sliding_window=window_from_hf(dd.config, where), **flags)
     contract = TapContract(num_layers, tuple(view.captured_taps))
     if view.default_used:
         notes.append(f"no eagle_config.{IDS_KEY}: SGLang captures its default taps {list(contract.taps)}")
     return Reading(source=NAME, convention=view.convention or "sglang-default", config=config, tensors=tensors,
-                   contract=contract, ids=view.ids, ids_where=view.ids_where, notes=tuple(notes))
+                   contract=contract, ids=view.ids, ids_where=view.ids_where, notes=tuple(notes),
+                   carried=carried_of(dd.config))

@@ -19,6 +19,7 @@ import re
 from ..draft import DraftConfig
 from ..errors import UsageError
 from ..taps import default_taps
+from . import sglang
 from .common import (DraftDir, Reading, check_flag_values, complete_vocab, draft_fields_from_hf, taps_from_ids,
                      vocab_sizes)
 
@@ -65,4 +66,4 @@ def read(dd: DraftDir, *, num_layers: int, vocab_size: int | None) -> Reading:
                          target_hidden_size=target_hidden, num_taps=fc.shape[1] // target_hidden,
                          fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")))
     return Reading(source=NAME, convention=NAME, config=config, tensors=tensors, contract=contract, ids=ids,
-                   ids_where=ids_where, notes=tuple(notes))
+                   ids_where=ids_where, notes=tuple(notes), carried=sglang.carried_of(cfg))

@@ -23,8 +23,9 @@ from __future__ import annotations
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import TapError, UsageError
 from ..taps import CONVENTIONS, TapContract, default_taps
-from .common import (IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, check_flag_values,
-                     complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes)
+from .common import (AS_WRITTEN_KEYS, IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, as_written,
+                     check_flag_values, complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes,
+                     window_from_hf)
 from .engine_view import EngineView, FlagView
 
 NAME = "vllm"
@@ -35,6 +36,7 @@ VLLM_FC_TAPS = 3  # llama_eagle3.py: fc input = target_hidden_size * 3
 # speculators.models.eagle3 config defaults vs vLLM's update_eagle3 defaults for absent flags.
 SPECULATORS_DEFAULTS = dict.fromkeys(NORM_FLAGS, False)
 VLLM_SPECULATORS_DEFAULTS = {**SPECULATORS_DEFAULTS, "norm_before_residual": True}
+CARRIED = "speculators-config"  # Reading.carried["format"] of a speculators-format import
 
 
 def is_speculators(cfg: dict) -> bool:
@@ -44,9 +46,12 @@ def is_speculators(cfg: dict) -> bool:
 # --- export ---------------------------------------------------------------------------------------
 
 def export(model: Eagle3Draft, contract: TapContract, target: dict, fmt: str, num_speculative_tokens: int,
-           verifier: str | None):
-    """-> (config dict, tensors, ids, convention, notes) for --format vllm or speculators. Writes nothing."""
-    c, notes = model.config, []
+           verifier: str | None, carried: dict | None = None):
+    """-> (config dict, tensors, ids, convention, notes) for --format vllm or speculators. Writes nothing.
+
+    carried: Reading.carried of the draft's import: its layer config's rope/window keys as written, and its verifier
+    (used where --target-path does not name one)."""
+    c, notes, carried = model.config, [], carried or {}
     if fmt == NAME and len(contract.taps) != VLLM_FC_TAPS:
         raise UsageError(f"vLLM builds the draft's fc for exactly 3 taps (llama_eagle3.py); this draft reads "
                          f"{len(contract.taps)} taps {list(contract.taps)}")
@@ -62,9 +67,20 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, fmt: str, nu
                      "(EagleModelMixin), DeepSeek-family targets from PR #46973 on")
     layer = hf_fields(c)
     layer.pop("target_hidden_size", None)
+    if carried.get("format") == CARRIED:
+        layer = as_written(layer, carried.get("layer"), c, "the imported draft's layer config")
     layer["architectures"] = ["LlamaForCausalLM"]
+    old = carried.get("verifier") if carried.get("format") == CARRIED else None
+    old = old if isinstance(old, dict) else {}
+    verifier_path = verifier or old.get("name_or_path")
+    archs = [target["architecture"]] if target.get("architecture") else list(old.get("architectures") or [])
+    if verifier_path is None:
+        # speculators model.py load_verifier_weights: no name_or_path, no embedding/lm_head from the verifier;
+        # its from_pretrained then fails on an export without embed_tokens (offline).
+        notes.append("speculators_config.verifier.name_or_path is null: pass --target-path so speculators' "
+                     "Eagle3DraftModel.from_pretrained can load the verifier's weights")
     cfg = {"architectures": [SPEC_ARCH], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
-           "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
+           "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": _target_hidden(c, carried),
            # Every flag written: vLLM assumes norm_before_residual=True when absent, speculators False.
            **{f: getattr(c, f) for f in NORM_FLAGS},
            IDS_KEY: ids, "embed_requires_grad": False,
@@ -73,12 +89,19 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, fmt: str, nu
                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                "default_proposal_method": "greedy",
-               "verifier": {"name_or_path": verifier,
-                            "architectures": [target["architecture"]] if target.get("architecture") else []}},
+               "verifier": {"name_or_path": verifier_path, "architectures": archs}},
            PROVENANCE_KEY: provenance(fmt, "vllm", contract, target, None, c)}
     tensors = {("input_norm.weight" if k == "fc_input_norm.weight" else k): v.detach().cpu().contiguous()
                for k, v in model.state_dict().items()}
     return cfg, tensors, ids, "vllm", notes
+
+
+def _target_hidden(c: DraftConfig, carried: dict) -> int | None:
+    # speculators writes null for "= hidden_size" (models/eagle3/config.py default); kept so where it still holds
+    if carried.get("format") == CARRIED and "target_hidden_size" in (carried.get("top") or {}) \
+            and carried["top"]["target_hidden_size"] is None and c.target_hidden_size == c.hidden_size:
+        return None
+    return c.target_hidden_size
 
 
 # --- what vLLM (or the speculators library) reads -------------------------------------------------
@@ -181,11 +204,24 @@ def read(dd: DraftDir, *, engine: str, num_layers: int, vocab_size: int | None) 
     implicit = [f"{f}={fv.effective} ({engine}'s default)" for f, fv in view.norm_flags.items() if fv.written is None]
     if implicit:
         notes.append("norm flags absent, engine defaults apply: " + ", ".join(implicit))
-    config = DraftConfig(**draft_fields_from_hf(layer, where), vocab_size=vocab, draft_vocab_size=draft_vocab,
-                         target_hidden_size=view.target_hidden_size, num_taps=len(view.captured_taps), **flags)
+    layer_where = f"{where}: transformer_layer_config" if is_speculators(dd.config) else where
+    window = window_from_hf(layer, layer_where)
+    if window is None and layer.get("sliding_window") and layer.get("layer_types") is None:
+        notes.append(f"sliding_window={layer['sliding_window']} without layer_types: {engine} reads the window "
+                     "through layer_types only, so the draft attends to every position")
+    config = DraftConfig(**draft_fields_from_hf(layer, layer_where), vocab_size=vocab, draft_vocab_size=draft_vocab,
+                         target_hidden_size=view.target_hidden_size, num_taps=len(view.captured_taps),
+                         sliding_window=window, **flags)
+    carried = {}
+    if is_speculators(dd.config):
+        verifier = (dd.config.get("speculators_config") or {}).get("verifier")
+        carried = {"format": CARRIED, "layer": {k: layer[k] for k in AS_WRITTEN_KEYS if k in layer},
+                   "top": {k: dd.config[k] for k in ("target_hidden_size",) if k in dd.config},
+                   "verifier": ({k: verifier.get(k) for k in ("name_or_path", "architectures")}
+                                if isinstance(verifier, dict) else None)}
     if view.default_used:
         notes.append(f"no top-level {IDS_KEY}: {engine} uses its default taps {view.captured_taps}")
     return Reading(source=engine, convention="vllm", config=config, tensors=tensors,
                    contract=TapContract(num_layers, tuple(view.captured_taps)), ids=view.ids, ids_where=view.ids_where,
-                   notes=tuple(notes))
+                   notes=tuple(notes), carried=carried)
 
