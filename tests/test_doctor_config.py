@@ -21,6 +21,7 @@ import pytest
 from eaglewire import interop
 from eaglewire.doctor import CODES, diagnose
 from eaglewire.doctor.config_checks import _rope, engine_value
+from eaglewire.errors import UsageError
 
 from interop_tiny import LLAMA, save_tiny
 
@@ -145,6 +146,16 @@ def test_hidden_act_other_than_silu_is_refused(tmp_path, fmt):
     f = next(f for f in r.findings if f.code == "CONFIG_TYPE")
     assert f.severity == "error" and "Unsupported activation" in f.message
     assert fix_and_rerun(r, "CONFIG_TYPE", out, engine_of(fmt)).exit_code == 0
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators"])
+def test_export_refuses_a_draft_neither_engine_can_build(tmp_path, fmt):
+    """A gelu draft trains and decodes in eaglewire, but both engines' LlamaMLP refuse it at load (above): the
+    export says so instead of writing it."""
+    save_tiny(tmp_path / "gelu", hidden_act="gelu")
+    with pytest.raises(UsageError, match="hidden_act 'gelu'.*retrain with silu"):
+        interop.export_draft(tmp_path / "gelu", fmt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_rope_parameters_win_over_rope_theta(tmp_path):

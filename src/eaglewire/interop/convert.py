@@ -37,6 +37,9 @@ def export_draft(draft, fmt: str, out, *, engine_version: str | None = None, spe
     if engine_version is not None and fmt != "sglang":
         raise UsageError("--engine-version applies to --format sglang (vLLM's reading does not depend on it here)")
     model, meta = checkpoint.load_draft(draft)
+    if model.config.hidden_act != "silu":  # SGLang llama.py:104-107, vLLM llama.py:109-111: LlamaMLP refuses others
+        raise UsageError(f"--draft {draft}: hidden_act {model.config.hidden_act!r}: SGLang and vLLM build an EAGLE-3 "
+                         "draft's MLP with silu only and refuse it at load; retrain with silu")
     out = Path(out)
     target = dict(meta.target)
     target.setdefault("num_layers", meta.contract.num_layers)
