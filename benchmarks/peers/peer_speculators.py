@@ -369,15 +369,11 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
                                f"give it more time; {log_path}")
         ckpt = save / max(within, key=int)
         done, upto = marks[ckpt.name]
-        settings = _settings(save / "run.yaml")
-        config = json.loads((ckpt / "config.json").read_text())
-        settings["target_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
-        settings["draft_vocab_size"] = config.get("draft_vocab_size")
         return {"checkpoint": ckpt, **_steps(text[:upto]), "train_s": round(done - first, 2),
                 "startup_s": round(first - t0, 2), "save_s": None, "interrupted": False,
                 "interrupt_lost": f"{LOST_WHY}: the row is epoch {int(ckpt.name) + 1}'s checkpoint, the last saved "
                                   f"within the budget; the process was killed {lost - sigint:.0f} s after the SIGINT",
-                "own_validation": _validation(text[:upto]), "settings": settings, "command": argv,
+                "own_validation": _validation(text[:upto]), "settings": _resolved(save, ckpt), "command": argv,
                 "log": str(log_path)}
     # The interrupt's save; or, when every epoch ran within the budget, the last epoch's (a SIGINT
     # that lands after run_training has returned ends the process with -2: nothing is lost then).
@@ -387,14 +383,20 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
     if ckpt is None or not ok:
         raise RuntimeError(f"speculators train failed (exit {proc.returncode}"
                            f"{', no checkpoint in ' + str(save) if ckpt is None else ''}); {log_path}:\n{_tail(text)}")
-    settings = _settings(save / "run.yaml")
-    config = json.loads((ckpt / "config.json").read_text())  # as the model resolved them
-    settings["target_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
-    settings["draft_vocab_size"] = config.get("draft_vocab_size")
     return {"checkpoint": ckpt, **_steps(text), "train_s": round((sigint or end) - first, 2),
             "startup_s": round(first - t0, 2), "save_s": round(end - (sigint or end), 2),
             "own_validation": _validation(text),
-            "interrupted": ckpt.name == "interrupted", "settings": settings, "command": argv, "log": str(log_path)}
+            "interrupted": ckpt.name == "interrupted", "settings": _resolved(save, ckpt), "command": argv,
+            "log": str(log_path)}
+
+
+def _resolved(save: Path, ckpt: Path) -> dict:
+    """The run's settings, with the taps and draft vocabulary as the saved model resolved them."""
+    settings = _settings(save / "run.yaml")
+    config = json.loads((ckpt / "config.json").read_text())
+    settings["target_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
+    settings["draft_vocab_size"] = config.get("draft_vocab_size")
+    return settings
 
 
 def fused_loss_fails(version: str | None = None) -> bool:
