@@ -70,8 +70,12 @@ def rows(meta: dict, r: dict) -> list[dict]:
 
 
 def markdown(meta: dict, table: list[dict], r: dict) -> str:
-    lines = [f"# Peers: eaglewire against speculators and SpecForge ({meta['date']}, {meta['device']})", "",
-             f"Target {meta['target']}; each trainer alone on the GPU with a budget of {meta['minutes']:g} training minutes, on the "
+    others = [name(x["trainer"]) for x in table if x["trainer"] != "eaglewire"]
+    vs = " against " + " and ".join(others) if others else ""
+    unit = "minute" if meta["minutes"] == 1 else "minutes"
+    lines = [f"# Peers: eaglewire{vs} ({meta['date']}, {meta['device']})", "",
+             f"Target {meta['target']}; each trainer alone on the GPU with a budget of {meta['minutes']:g} training {unit}, "
+             "each budget from its first step, on the "
              f"same conversations and one capture; chain of {meta['chain']}, greedy, {meta['new_tokens']} new tokens, "
              f"{meta['prompts']} prompts a suite.", "",
              "| trainer | capture min | training min | start-up min | steps | training tokens/s | held-out acc@1 |",
@@ -107,6 +111,13 @@ def markdown(meta: dict, table: list[dict], r: dict) -> str:
                     lines.append(f"- {s}: {name(x['trainer'])} {d['difference']:+.3f} "
                                  f"({d['interval'][0]:+.3f}..{d['interval'][1]:+.3f}) against eaglewire, "
                                  f"{100 * d['relative']:+.1f}%")
+        for s in meta["suites"]:
+            ours_v = base["suites"][s]["vllm"]
+            for x in table:
+                v = x["suites"][s]["vllm"]
+                if x is not base and ours_v and v:
+                    lines.append(f"- {s} in vLLM (counters over the suite, no interval): {name(x['trainer'])} "
+                                 f"{v - ours_v:+.3f} against eaglewire, {100 * (v / ours_v - 1):+.1f}%")
     if any(x["vllm_tokens_per_s"] for x in table):
         none = table[0]["vllm_tokens_per_s_without"]
         lines += ["", f"vLLM at batch 1, CUDA graphs, {meta['suites'][0]} ({_get(r, 'speed', 'prompts')} prompts): "
@@ -145,7 +156,7 @@ def plot(meta: dict, table: list[dict], out: Path) -> Path:
         ax.bar([j + i * width for j in range(len(cols))], vals, width=width, label=name(x["trainer"]))
     ax.set_xticks([j + width * (len(table) - 1) / 2 for j in range(len(cols))])
     ax.set_xticklabels([f"{s}\n{e.split('_')[0]}" for s, e in cols], fontsize=7)
-    ax.set(ylabel="acceptance length", title=f"{meta['minutes']:g} training minutes each")
+    ax.set(ylabel="acceptance length", title=f"{meta['minutes']:g} training minute{'' if meta['minutes'] == 1 else 's'} each")
     ax.legend(fontsize=7)
     bx = fig.add_subplot(1, 2, 2)
     s = meta["suites"][0]

@@ -24,7 +24,9 @@ from eaglewire.train.trainer import train
 
 def settings(seconds: float, device: str, overrides: dict) -> TrainConfig:
     # num_workers: the recipe's 0 is for online training, where nothing is read from disk
-    base = {**RECIPES["full"].train.to_dict(), "num_workers": None, "time_budget_s": seconds, "device": device}
+    # The budget runs from the first step, as the peers' do (peer_speculators.train): compilation and set-up apart
+    base = {**RECIPES["full"].train.to_dict(), "num_workers": None, "time_budget_s": seconds, "device": device,
+            "budget_from": "first-step"}
     return TrainConfig.from_dict({**base, **overrides})
 
 
@@ -51,14 +53,15 @@ def main(argv=None) -> int:
     result = train(cfg, tgt, a.data, out=a.out, progress=False)
     m = result.metrics
     wall = time.perf_counter() - t0
-    out = {"checkpoint": str(result.checkpoint), "steps": m["steps"], "train_s": m["train_seconds"],
-           "startup_s": round(wall - m["train_seconds"], 1), "wall_s": round(wall, 1),
-           "tokens": round(m["tokens_per_s"] * m["train_seconds"]) if m.get("tokens_per_s") else None,
-           "tokens_per_s": m.get("tokens_per_s"), "heldout": m.get("heldout"),
+    # train_s as the peers count it: the budget's wall time, its evaluations and saves in it; step_s without them
+    tokens = round(m["tokens_per_s"] * m["train_seconds"]) if m.get("tokens_per_s") else None
+    out = {"checkpoint": str(result.checkpoint), "steps": m["steps"], "train_s": m["budget_seconds"],
+           "step_s": m["train_seconds"], "startup_s": round(wall - m["budget_seconds"], 1), "wall_s": round(wall, 1),
+           "tokens": tokens, "tokens_per_s": tokens / m["budget_seconds"] if tokens else None, "heldout": m.get("heldout"),
            "settings": {k: v for k, v in cfg.to_dict().items()
                         if k in ("lr", "min_lr_ratio", "batch_tokens", "ttt_steps", "ttt_decay", "loss",
                                  "draft_vocab_size", "max_len", "warmup_steps", "betas", "weight_decay",
-                                 "clip_grad", "epochs", "eval_fraction")} | {"optimizer": "AdamW", "schedule": "cosine"}}
+                                 "clip_grad", "epochs", "eval_fraction", "optimizer")} | {"schedule": "cosine"}}
     Path(a.json).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: out[k] for k in ("steps", "train_s", "tokens_per_s")}), file=sys.stderr)
     return 0

@@ -57,6 +57,9 @@ class TrainConfig:
     regen_temperature: float = 0.0
     regen_batch_size: int = 32
     time_budget_s: float | None = None  # stop early (and save) once training has run this long
+    # Where that budget starts: "setup" (the call, so loading and regeneration count) or "first-step" (after the
+    # first optimizer step, compilation included, as the peers' harness times every trainer)
+    budget_from: str = "setup"
 
     def __post_init__(self):
         def bad(name, why):
@@ -102,6 +105,8 @@ class TrainConfig:
                              "sample would not fit a micro-batch")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             bad("time_budget_s", "must be > 0")
+        if self.budget_from not in ("setup", "first-step"):
+            bad("budget_from", "must be 'setup' or 'first-step'")
         if self.draft_overrides is not None and not isinstance(self.draft_overrides, dict):
             bad("draft_overrides", "must be a JSON object of DraftConfig fields")
 

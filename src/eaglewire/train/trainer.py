@@ -39,7 +39,7 @@ from .ttt import TTTModel, TTTSpec, target_side
 
 TAP_STATS_TOKENS = 4096  # tokens of training data the checkpoint's tap statistics are taken over
 # Settings that change neither the batches nor the weights: a run may resume with other values.
-RUNTIME_FIELDS = {"device", "num_workers", "log_every", "eval_every", "ckpt_every", "time_budget_s"}
+RUNTIME_FIELDS = {"device", "num_workers", "log_every", "eval_every", "ckpt_every", "time_budget_s", "budget_from"}
 
 
 @dataclass(frozen=True)
@@ -289,6 +289,8 @@ class _Run:
             self._step(step, group, batches, self.acc)
             bar.update(1)
             done = step + 1
+            if done == start + 1 and cfg.budget_from == "first-step":
+                self._start_budget()
             if done % cfg.log_every == 0 or done == self.total:
                 stopped = self._log(done, epoch, self.acc, bar)
                 self.acc = self._fresh_acc()
@@ -307,6 +309,12 @@ class _Run:
                 self.clock.paused(done, spent)
         bar.close()
         return self._finish(done, stopped)
+
+    def _start_budget(self) -> None:
+        """The budget starts now, after this process's first step (its compilation included)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.clock.started = time.perf_counter()
 
     def _eval_due(self, done: int) -> bool:
         """Every --eval-every steps; by default ten times a run, counted to the horizon so that a run the
@@ -366,7 +374,7 @@ class _Run:
             raise EaglewireError(f"non-finite loss, gradient or hidden state by step {done}: training stopped; the "
                                  f"last resume state in {self.out} is intact (lower --lr, or check the target/data)")
         if cfg.time_budget_s is not None:
-            late = torch.tensor([float(now - self.t_start > cfg.time_budget_s)], device=self.device)
+            late = torch.tensor([float(now - self.clock.started > cfg.time_budget_s)], device=self.device)
             if float(self.dist.all_sum(late)) > 0:
                 return f"time budget of {cfg.time_budget_s:g} s reached at step {done} of {self.total}"
             self._move_horizon(done, now)
@@ -393,6 +401,7 @@ class _Run:
         return s
 
     def _finish(self, done: int, stopped: str | None) -> TrainResult:
+        budget_s = time.perf_counter() - self.clock.started  # the budget's wall time: evaluations and saves in it
         final = self._log_eval(done)
         model_sd, _ = parallel.full_state(self.inner, None)
         tps = self.tokens_run / self.clock.train_s if self.clock.train_s > 0 else None
@@ -419,7 +428,8 @@ class _Run:
         return TrainResult(self.out, {"heldout": final, "steps": done, "stopped_early": stopped,
                                       "tokens_per_s": tps, "mfu": self._mfu(tps), "flops_per_token": self.flops,
                                       "peak_tflops": PEAK_TFLOPS, "world_size": self.dist.world,
-                                      "train_seconds": self.clock.train_s, "setup_seconds": self.t_setup})
+                                      "train_seconds": self.clock.train_s, "setup_seconds": self.t_setup,
+                                      "budget_seconds": budget_s})
 
 
 def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = False,
@@ -519,6 +529,9 @@ def register(sub) -> None:
     g.add_argument("--max-len", type=cli_args.positive_int, help="tokens per sample (default 2048)")
     g.add_argument("--time-budget-s", type=cli_args.positive_float,
                    help="stop early (and save) after this many training seconds")
+    g.add_argument("--budget-from", choices=["setup", "first-step"],
+                   help="where --time-budget-s starts: setup (default: loading counts) or first-step (after the "
+                        "first optimizer step, compilation included, as the peers' harness times trainers)")
     g = p.add_argument_group("draft and loss")
     g.add_argument("--ttt-steps", type=cli_args.positive_int, help="training-time-test steps K (default 7)")
     g.add_argument("--ttt-decay", type=cli_args.fraction, help="loss weight decay**k of TTT step k, in (0, 1] "

@@ -1,0 +1,66 @@
+"""Where a time budget starts: at the call (set-up counts), or after the first optimizer step (its compilation
+apart), as the peers' harness times every trainer (benchmarks/peers/train_eaglewire.py)."""
+
+import time
+
+import pytest
+from chat_target import CONTRACT, conversations_file, make_target
+
+from eaglewire import targets
+from eaglewire.data.datagen import run_datagen
+from eaglewire.errors import UsageError
+from eaglewire.train.config import TrainConfig
+from eaglewire.train.trainer import _Run, train
+
+FAST = dict(batch_tokens=512, log_every=1, eval_fraction=0.2, max_len=256, lr=3e-3, eval_every=100)
+FIRST_STEP_S = 3.0  # a slow first step, as a compiled one is
+BUDGET_S = 2.0
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("budget")
+    target = targets.load_target(str(make_target(root / "target")), device="cpu")
+    run_datagen(target, conversations_file(root / "prompts.jsonl", 20), root / "data", CONTRACT, max_len=256,
+                dtype="fp32", batch_size=5, progress=False)
+    return root, target
+
+
+@pytest.fixture
+def slow_first_step(monkeypatch):
+    step = _Run._step
+
+    def slow(self, i, *a, **k):
+        if i == 0:
+            time.sleep(FIRST_STEP_S)
+        return step(self, i, *a, **k)
+
+    monkeypatch.setattr(_Run, "_step", slow)
+
+
+@pytest.mark.usefixtures("slow_first_step")
+@pytest.mark.parametrize("budget_from,steps", [("setup", 1), ("first-step", 4)])
+def test_the_first_step_counts_against_the_budget_only_from_setup(setup, budget_from, steps):
+    root, target = setup
+    r = train(TrainConfig(steps=4, time_budget_s=BUDGET_S, budget_from=budget_from, **FAST), target, root / "data",
+              out=root / budget_from, progress=False)
+    assert r.metrics["steps"] == steps
+    assert (r.metrics["stopped_early"] is not None) == (budget_from == "setup")
+    # the budget's wall time starts where the budget does
+    assert (r.metrics["budget_seconds"] > FIRST_STEP_S) == (budget_from == "setup")
+
+
+def test_an_unknown_budget_start_is_a_usage_error():
+    with pytest.raises(UsageError, match="--budget-from"):
+        TrainConfig(budget_from="epoch")
+
+
+def test_train_takes_budget_from_on_its_command_line():
+    from eaglewire.cli import build_parser
+    from eaglewire.train.trainer import config_from_args
+
+    args = build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o", "--budget-from",
+                                      "first-step"])
+    assert config_from_args(args).budget_from == "first-step"
