@@ -81,6 +81,7 @@ def done(tmp_path_factory):
         mp.setattr(vllm, "run_job", fake.vllm)
         mp.setattr(sglang, "run_job", fake.sglang)
         assert run.main(argv) == 0
+    (root / "argv.json").write_text(json.dumps(argv))
     return root / "w", fake, json.loads((root / "w" / "report.json").read_text())
 
 
@@ -148,3 +149,27 @@ def test_the_table_has_every_measured_column(done):
     assert rows["eaglewire"]["vllm_tokens_per_s"] == pytest.approx(20.0)  # 10 tokens in 0.5 s a prompt
     assert rows["eaglewire"]["vllm_tokens_per_s_without"] == pytest.approx(10.0)
     assert (w / "report.png").stat().st_size > 10_000
+
+
+def test_a_row_added_to_a_finished_run_is_the_only_one_trained_served_and_timed(done):
+    """--variant on a finished directory: the new row is trained, imported, served and timed alone; the eval
+    replays every draft again on the same text (its pairing needs them all); the other rows are kept."""
+    from eaglewire.engines import sglang, vllm
+
+    w, _, before = done
+    argv = json.loads((w.parent / "argv.json").read_text()) + ["--variant", "ttt2:ttt_steps=2"]
+    fake = FakeEngines()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm, "run_job", fake.vllm)
+        mp.setattr(sglang, "run_job", fake.sglang)
+        assert run.main(argv) == 0
+    rep = json.loads((w / "report.json").read_text())
+    new = "eaglewire-ttt2"
+    assert {j.draft for _, j in fake.jobs} == {str(w / "served" / e / new) for e in ("vllm", "sglang")}
+    assert rep["stages"]["train"][new]["settings"]["ttt_steps"] == 2
+    for t in ("eaglewire", "speculators", "specforge"):
+        assert rep["stages"]["train"][t] == before["stages"]["train"][t]
+        assert rep["stages"]["serve"]["vllm"][t] == before["stages"]["serve"]["vllm"][t]
+    assert set(rep["stages"]["speed"]["rows"]) == {"none", "eaglewire", "speculators", "specforge", new}
+    assert all(new in text["rows"] for text in rep["stages"]["eval"].values() if isinstance(text, dict))
+    assert f"| {new} |" in (w / "report.md").read_text()

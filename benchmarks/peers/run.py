@@ -205,8 +205,11 @@ def stage_train(w: Work, a) -> dict:
 # --- import and doctor --------------------------------------------------------------------------------
 
 def stage_import(w: Work, a, trained: dict) -> dict:
-    out = {}
+    out = dict(w.done("import") or {})  # what an earlier run of this directory imported (a row added since)
+    out.pop("stage_s", None)
     for name in a.trainers:
+        if name in out:
+            continue
         raw = Path(trained[name]["checkpoint"])
         if ours(name):
             out[name] = {"raw": str(raw), "native": str(raw), "how": "native"}
@@ -239,9 +242,9 @@ def stage_doctor(w: Work, a, imported: dict) -> dict:
     from eaglewire.doctor import diagnose
 
     tgt = targets.load_target(a.target, device=a.device)
-    out = {}
+    out = {k: v for k, v in (w.done("doctor") or {}).items() if k != "stage_s"}  # an earlier run's rows
     for name in a.trainers:
-        if ours(name):
+        if ours(name) or name in out:
             continue
         raw, engine = Path(imported[name]["raw"]), HOME_ENGINE[name]
         rows = {"engine": engine}
@@ -312,8 +315,12 @@ def served_dir(w: Work, engine: str, name: str, imp: dict, num_layers: int) -> t
 def stage_serve(w: Work, a, imported: dict) -> dict:
     """Each engine's acceptance for every draft; each engine's result is kept apart (serve-ENGINE.json), so that
     the two engines can run at once, in two processes of this script."""
-    return {engine: w.done(f"serve-{engine}") or w.save(f"serve-{engine}", serve_engine(w, a, imported, engine))
-            for engine in a.engines}
+    out = {}
+    for engine in a.engines:
+        have = w.done(f"serve-{engine}")
+        out[engine] = have if have is not None and all(t in have for t in a.trainers) else \
+            w.save(f"serve-{engine}", serve_engine(w, a, imported, engine))
+    return out
 
 
 def serve_engine(w: Work, a, imported: dict, engine: str) -> dict:
@@ -327,10 +334,15 @@ def serve_engine(w: Work, a, imported: dict, engine: str) -> dict:
     mod = _engine(engine)
     rows = {}
     for name in a.trainers:
+        # each draft's row is kept as it is served: a rerun (or a row added later) serves only what is missing
+        kept = w.done(f"serve-{engine}-{name}")
+        if kept is not None:
+            rows[name] = kept
+            continue
         try:
             d, how = served_dir(w, engine, name, imported[name], N)
         except (UsageError, EaglewireError) as e:  # a draft this engine cannot run as trained (eaglewire says why)
-            rows[name] = {"served": None, "how": f"not servable: {e}", "suites": {}}
+            rows[name] = w.save(f"serve-{engine}-{name}", {"served": None, "how": f"not servable: {e}", "suites": {}})
             say(f"serve {engine} {name}: not servable: {e}")
             continue
         t0 = time.perf_counter()
@@ -340,6 +352,7 @@ def serve_engine(w: Work, a, imported: dict, engine: str) -> dict:
         rows[name] = {"served": str(d), "how": how, "seconds": round(time.perf_counter() - t0, 1),
                       "suites": dict(zip(a.suites, per)),
                       "version": r.get("vllm_version") or r.get("sglang_version")}
+        w.save(f"serve-{engine}-{name}", rows[name])
         say(f"serve {engine} {name}: " + ", ".join(f"{k} {v['acceptance_length']:.3f}"
                                                  for k, v in rows[name]["suites"].items()
                                                  if v["acceptance_length"]))
@@ -388,8 +401,10 @@ def stage_speed(w: Work, a, imported: dict) -> dict:
     convs = load_suite(a.suites[0], a.speed_prompts).conversations[:a.speed_prompts]
     job = dict(target=str(tdir), conversations=convs, max_new_tokens=a.new_tokens, num_speculative_tokens=a.chain,
                gpu_memory_utilization=a.gpu_memory_utilization)
-    rows = {}
+    rows = dict((w.done("speed") or {}).get("rows", {}))  # an earlier run's rows: a row added later is timed alone
     for name in [None, *a.trainers]:
+        if (name or "none") in rows:
+            continue
         d = served_dir(w, "vllm", name, imported[name], N)[0] if name else None
         r = vllm.run_job(vllm.Job(draft=str(d) if d else None, **job),
                          log_path=w / "logs" / f"speed-{name or 'none'}.log")
@@ -470,6 +485,24 @@ def _kept(w: Work, a, stage: str) -> dict | None:
     return {k: v for k, v in parts.items() if v is not None} or None
 
 
+def _covers(stage: str, have: dict, a) -> bool:
+    """Whether a kept result holds every trainer asked for (a row added to a finished run makes it incomplete)."""
+    want = list(a.trainers)
+    if stage in PARTS:
+        if len(have) < len(PARTS[stage](a)):
+            return False
+        return stage != "serve" or all(t in rows for rows in have.values() for t in want)
+    if stage == "import":
+        return all(t in have for t in want)
+    if stage == "doctor":
+        return all(t in have for t in want if not ours(t))
+    if stage == "eval":
+        return all(t in text["rows"] for text in have.values() if isinstance(text, dict) for t in want)
+    if stage == "speed":
+        return all(t in have.get("rows", {}) for t in ["none", *want])
+    return True
+
+
 def run(a) -> dict:
     w = Work(Path(a.work))
     results = {}
@@ -479,7 +512,7 @@ def run(a) -> dict:
              "serve": lambda: stage_serve(w, a, results["import"]), "speed": lambda: stage_speed(w, a, results["import"])}
     for stage in STAGES[:-1]:
         have = _kept(w, a, stage)
-        if stage in a.stages and (have is None or (stage in PARTS and len(have) < len(PARTS[stage](a)))):
+        if stage in a.stages and (have is None or not _covers(stage, have, a)):
             t0 = time.perf_counter()
             have = steps[stage]()  # a stage in parts saves each part itself
             if stage not in PARTS:
