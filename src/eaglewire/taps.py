@@ -174,8 +174,10 @@ _SGLANG_WHY = ("SGLang captures `hidden_states + residual` at the start of layer
 # tensor itself, not a sum; llama.py's first layer then makes that tensor its residual, and layernorm.py's
 # fused_add_rms_norm updates the residual in place, layer after layer. Served with id 0, a SmolLM2 draft accepted
 # 1.08 where the draft fed the last layer's output in that slot replays at 1.07 (benchmarks/results, run 20).
+# DeepSeek family (deepseek_v2.py:1430, 1468-1469): residual is None at id 0 and the sum fails instead.
 _VLLM_ID0 = ("vLLM (0.26.0) hands the draft the last layer's output at id 0, not the embedding: the embedding "
-             "tensor it keeps is the residual its fused add-RMSNorm then overwrites in place")
+             "tensor it keeps is the residual its fused add-RMSNorm then overwrites in place (on a DeepSeek-family "
+             "target it fails instead, adding a residual that is still None)")
 
 CONVENTIONS: dict[str, Convention] = {c.name: c for c in [
     Convention("hf", "index into HF output_hidden_states (hs[N] is post-norm, so tap N has no index)",
