@@ -12,7 +12,7 @@ from ..interop.common import NORM_FLAGS
 from ..vocab import d2t_from_ids, t2d_from_d2t, validate_vocab
 from .config_checks import check_config
 from .context import Context, engine_name
-from .engine_args import with_option, with_speculative_config
+from .engine_args import _int, with_option, with_speculative_config
 from .findings import Finding, Remedy, finding
 from .taps_checks import check_taps
 
@@ -336,6 +336,7 @@ def check_engine_args(ctx: Context) -> list[Finding]:
         shown = "unset" if o.requested is None else o.requested
         out.append(finding("ENGINE_ARGS_OVERRIDE", o.severity, f"{o.setting}: asked {shown}, the run will use "
                            f"{o.used}: {o.why}", fix, remedy))
+    out += _sglang_window(ctx)
     for r in run.refusals:
         args = ctx.engine_args
         if run.engine == "vllm":
@@ -346,6 +347,24 @@ def check_engine_args(ctx: Context) -> list[Finding]:
         out.append(finding("ENGINE_ARGS_REFUSED", "error", f"{engine_name(ctx)} will refuse to start: {r.why}",
                            "change them", Remedy(engine_args=args)))
     return out
+
+
+def _sglang_window(ctx: Context) -> list[Finding]:
+    """SGLang 0.5.17 takes an EAGLE-3 draft's sliding window from --speculative-draft-window-size alone
+    (models/llama_eagle3.py:276-288, LlamaForCausalLMEagle3.__init__); the config's window only records it."""
+    run, cfg = ctx.run, ctx.subject.config
+    window = cfg.sliding_window if cfg is not None else None
+    if run.engine != "sglang" or window is None:
+        return []
+    asked = _int(run.given, "speculative-draft-window-size")
+    if asked == window:
+        return []
+    used = "full attention" if asked is None else f"a window of {asked}"
+    return [finding("ENGINE_ARGS_OVERRIDE", "warning", f"--speculative-draft-window-size: asked "
+                    f"{'unset' if asked is None else asked}, the run will use {used}: the draft was trained with a "
+                    f"sliding window of {window} positions, and SGLang takes the draft's window from this flag "
+                    "alone", "serve with the draft's window",
+                    Remedy(engine_args=with_option(ctx.engine_args, "speculative-draft-window-size", window)))]
 
 
 def _without(text: str, option: str) -> str:
