@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from eaglewire import interop, targets
-from eaglewire.doctor import diagnose
+from eaglewire.doctor import DoctorRequest, diagnose
 from eaglewire.interop.common import IDS_KEY, PROVENANCE_KEY
 
 
@@ -83,8 +83,8 @@ def main(argv=None) -> int:
             for variant in a.variants.split(","):
                 d = foreign(Path(a.draft), fmt, variant, Path(tmp))
                 t0 = time.perf_counter()
-                r = diagnose(d, target=target, engine=engine, probe=a.probe, suite=a.suite,
-                             probe_tokens=a.probe_tokens)
+                r = diagnose(DoctorRequest(d, target=target, engine=engine, probe=a.probe, suite=a.suite,
+                                           probe_tokens=a.probe_tokens))
                 seconds = time.perf_counter() - t0
                 verdict = next((f for f in r.findings if f.code in ("PROBE_WIRING", "PROBE_OK")), None)
                 w = (r.probe or {}).get("wirings") or []

@@ -12,7 +12,7 @@ from chat_target import conversations_file, make_target
 from safetensors.torch import load_file
 
 from eaglewire import cli, interop, targets
-from eaglewire.doctor import diagnose
+from eaglewire.doctor import DoctorRequest, diagnose
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import deepseek_target as ds  # noqa: E402
@@ -62,18 +62,18 @@ def test_trained_exported_for_sglang_and_the_incidents_plus_one_read_by_each_sgl
     for version in ("0.5.12", "0.5.17"):
         view = interop.read_engine_view(tmp_path / "sg", "sglang", version, model_type="deepseek_v3", num_layers=8)
         assert list(view.captured_taps) == [2, 4, 5]
-    r = diagnose(tmp_path / "sg", target=tgt, engine="sglang")
+    r = diagnose(DoctorRequest(tmp_path / "sg", target=tgt, engine="sglang"))
     assert r.exit_code == 0, [f.code for f in r.findings]
     # Every id +1, the seed incident's edit: [2, 4, 5] no longer starts at 1, so SGLang 0.5.13+ stops adding 1
     # and reads the trained taps after all; before 0.5.13 it still adds 1 and reads [3, 5, 6].
     ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
     (tmp_path / "sg" / "config.json").write_text(json.dumps(cfg))
-    r = diagnose(tmp_path / "sg", target=tgt, engine="sglang", engine_version="0.5.17")
+    r = diagnose(DoctorRequest(tmp_path / "sg", target=tgt, engine="sglang", engine_version="0.5.17"))
     assert r.exit_code == 0 and r.context["engine_taps"] == [2, 4, 5]
-    r = diagnose(tmp_path / "sg", target=tgt, engine="sglang", engine_version="0.5.12")
+    r = diagnose(DoctorRequest(tmp_path / "sg", target=tgt, engine="sglang", engine_version="0.5.12"))
     assert r.exit_code == 1 and "TAPS_SHIFTED" in [f.code for f in r.findings]
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 2 for i in ids]  # taps one layer late
     (tmp_path / "sg" / "config.json").write_text(json.dumps(cfg))
-    r = diagnose(tmp_path / "sg", target=tgt, engine="sglang", engine_version="0.5.17")
+    r = diagnose(DoctorRequest(tmp_path / "sg", target=tgt, engine="sglang", engine_version="0.5.17"))
     assert r.exit_code == 1 and r.context["engine_taps"] == [3, 5, 6]

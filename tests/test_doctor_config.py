@@ -19,7 +19,7 @@ import json
 import pytest
 
 from eaglewire import interop
-from eaglewire.doctor import CODES, diagnose
+from eaglewire.doctor import CODES, DoctorRequest, diagnose
 from eaglewire.doctor.config_checks import _rope, engine_value
 from eaglewire.errors import UsageError
 
@@ -53,7 +53,7 @@ def fix_and_rerun(report, code, path, engine):
     f = next(f for f in report.findings if f.code == code)
     assert f.remedy is not None and f.remedy.edits_files, f
     f.remedy.apply(path)
-    again = diagnose(path, engine=engine)
+    again = diagnose(DoctorRequest(path, engine=engine))
     assert code not in again.codes(), again.findings
     return again
 
@@ -64,7 +64,7 @@ def test_codes_are_declared():
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators"])
 def test_eaglewire_exports_pass_clean(tmp_path, fmt):
-    r = diagnose(export(tmp_path, fmt), engine=engine_of(fmt))
+    r = diagnose(DoctorRequest(export(tmp_path, fmt), engine=engine_of(fmt)))
     assert not [c for c in r.codes() if c.startswith("CONFIG_")], r.findings
     assert r.exit_code == 0
 
@@ -86,7 +86,7 @@ def test_shape_fields_against_the_tensors(tmp_path, fmt, field, bad):
         st["embed_tokens.weight"] = torch.zeros(128, 32)
         save_file(st, str(out / "model.safetensors"))
     edit(out, lambda c: layer(c).__setitem__(field, bad))
-    r = diagnose(out, engine=engine_of(fmt))
+    r = diagnose(DoctorRequest(out, engine=engine_of(fmt)))
     f = next(f for f in r.findings if f.code == "CONFIG_SHAPE")
     assert f.severity == "error" and field in f.message, f
     assert not [d for d in r.findings if d.code == "CONFIG_DRIFT" and f"{field} is" in d.message]
@@ -101,7 +101,7 @@ def test_shape_fields_against_the_tensors(tmp_path, fmt, field, bad):
 def test_heads_and_head_dim_against_the_projections(tmp_path, field, bad):
     out = export(tmp_path, "sglang")
     edit(out, lambda c: c.__setitem__(field, bad))
-    r = diagnose(out, engine="sglang")
+    r = diagnose(DoctorRequest(out, engine="sglang"))
     f = next(f for f in r.findings if f.code == "CONFIG_SHAPE")
     assert f.severity == "error" and "x head_dim" in f.message and f.remedy is None
     # the product alone does not say which field: the record does
@@ -112,7 +112,7 @@ def test_heads_and_head_dim_against_the_projections(tmp_path, field, bad):
 def test_absent_hidden_size_is_llama_config_default(tmp_path):
     out = export(tmp_path, "sglang")
     edit(out, lambda c: c.pop("hidden_size"))
-    r = diagnose(out, engine="sglang")
+    r = diagnose(DoctorRequest(out, engine="sglang"))
     f = next(f for f in r.findings if f.code == "CONFIG_SHAPE")
     assert "absent (LlamaConfig's default 4096)" in f.message
     fix_and_rerun(r, "CONFIG_SHAPE", out, "sglang")
@@ -129,7 +129,7 @@ def test_absent_hidden_size_is_llama_config_default(tmp_path):
 def test_arithmetic_fields_against_the_record(tmp_path, fmt, field, bad):
     out = export(tmp_path, fmt)
     edit(out, lambda c: layer(c).__setitem__(field, bad))
-    r = diagnose(out, engine=engine_of(fmt))
+    r = diagnose(DoctorRequest(out, engine=engine_of(fmt)))
     f = next(f for f in r.findings if f.code == "CONFIG_DRIFT")
     assert f.severity == "error" and field in f.message and "trained with" in f.message, f
     assert not r.codes("warning") or set(r.codes("warning")) <= {"CONFIG_DRIFT"}
@@ -142,7 +142,7 @@ def test_hidden_act_other_than_silu_is_refused(tmp_path, fmt):
     # SGLang llama.py:104-107 and vLLM llama.py:109-111: LlamaMLP raises 'Unsupported activation'
     out = export(tmp_path, fmt)
     edit(out, lambda c: layer(c).__setitem__("hidden_act", "gelu"))
-    r = diagnose(out, engine=engine_of(fmt))
+    r = diagnose(DoctorRequest(out, engine=engine_of(fmt)))
     f = next(f for f in r.findings if f.code == "CONFIG_TYPE")
     assert f.severity == "error" and "Unsupported activation" in f.message
     assert fix_and_rerun(r, "CONFIG_TYPE", out, engine_of(fmt)).exit_code == 0
@@ -164,7 +164,7 @@ def test_rope_parameters_win_over_rope_theta(tmp_path):
     edit(out, lambda c: c.__setitem__("rope_parameters", {"rope_type": "default", "rope_theta": 250000.0}))
     cfg = json.loads((out / "config.json").read_text())
     assert _rope(cfg)[:2] == (250000.0, "rope_parameters.rope_theta")
-    r = diagnose(out, engine="sglang")
+    r = diagnose(DoctorRequest(out, engine="sglang"))
     f = next(f for f in r.findings if f.code == "CONFIG_DRIFT")
     assert "rope_parameters.rope_theta is 250000.0" in f.message
     fix_and_rerun(r, "CONFIG_DRIFT", out, "sglang")
@@ -173,7 +173,7 @@ def test_rope_parameters_win_over_rope_theta(tmp_path):
 def test_rope_scaling_against_the_record(tmp_path):
     out = export(tmp_path, "vllm")
     edit(out, lambda c: layer(c).__setitem__("rope_scaling", {"rope_type": "linear", "factor": 2.0}))
-    r = diagnose(out, engine="vllm")
+    r = diagnose(DoctorRequest(out, engine="vllm"))
     f = next(f for f in r.findings if f.code == "CONFIG_DRIFT")
     assert "rope scaling" in f.message and "'linear'" in f.message
     fix_and_rerun(r, "CONFIG_DRIFT", out, "vllm")
@@ -184,7 +184,7 @@ def test_num_hidden_layers_absent_builds_32_layers(tmp_path, fmt):
     # LlamaConfig's default 32; SGLang llama_eagle3.py:193 / vLLM llama_eagle3.py:172 build that many layers
     out = export(tmp_path, fmt)
     edit(out, lambda c: layer(c).pop("num_hidden_layers"))
-    r = diagnose(out, engine=engine_of(fmt))
+    r = diagnose(DoctorRequest(out, engine=engine_of(fmt)))
     f = next(f for f in r.findings if f.code == "CONFIG_SHAPE")
     assert "num_hidden_layers is absent (LlamaConfig's default 32)" in f.message and f.severity == "error"
     assert ("random initialisation" if fmt == "sglang" else "refuses") in f.message
@@ -202,7 +202,7 @@ def test_vocab_size_against_the_target_vocabulary_in_vllm(tmp_path):
     save_file(st, str(out / "model.safetensors"))
     edit(out, lambda c: (c["transformer_layer_config"].__setitem__("vocab_size", 120),
                          c["eaglewire"]["draft"].__setitem__("vocab_size", 120)))
-    r = diagnose(out, engine="vllm")
+    r = diagnose(DoctorRequest(out, engine="vllm"))
     f = next(f for f in r.findings if f.code == "CONFIG_DRIFT")
     assert "vocab_size is 120, the target's vocabulary is 128 (t2d)" in f.message and f.severity == "error"
 
@@ -215,7 +215,7 @@ def test_import_reads_rope_theta_as_the_engines_do(tmp_path):
                                                             {"rope_type": "default", "rope_theta": 250000.0})))
     reading, _ = interop.read_foreign(out, "sglang", interop.TargetInfo(fingerprint=dict(LLAMA)), None)
     assert reading.config.rope_theta == 250000.0
-    r = diagnose(out, engine="sglang", source="sglang", target=_facts())
+    r = diagnose(DoctorRequest(out, engine="sglang", source="sglang", target=_facts()))
     assert not [c for c in r.codes() if c.startswith("CONFIG_")], r.findings
 
 
@@ -234,7 +234,7 @@ def foreign_with_target(tmp_path, fn=None):
 
 def test_foreign_draft_with_its_target_passes_clean(tmp_path):
     out, t = foreign_with_target(tmp_path)
-    r = diagnose(out, engine="sglang", source="sglang", target=t)
+    r = diagnose(DoctorRequest(out, engine="sglang", source="sglang", target=t))
     assert not [c for c in r.codes() if c.startswith("CONFIG_")], r.findings
 
 
@@ -246,7 +246,7 @@ def test_foreign_draft_with_its_target_passes_clean(tmp_path):
 def test_foreign_fields_against_the_target_are_warnings(tmp_path, field, bad, says):
     # no record: the draft may have been trained so; only a measurement can tell
     out, t = foreign_with_target(tmp_path, lambda c: c.__setitem__(field, bad))
-    r = diagnose(out, engine="sglang", source="sglang", target=t)
+    r = diagnose(DoctorRequest(out, engine="sglang", source="sglang", target=t))
     f = next(f for f in r.findings if f.code == "CONFIG_DRIFT")
     assert f.severity == "warning" and says in f.message, f
     assert "nothing records" in f.message or "not measured" in f.message
@@ -271,7 +271,7 @@ def test_wrong_types(tmp_path, fmt, field, bad, fixed):
     out = export(tmp_path, fmt)
     holder = (lambda c: c) if field == "draft_vocab_size" else layer
     edit(out, lambda c: holder(c).__setitem__(field, bad))
-    r = diagnose(out, engine=engine_of(fmt))
+    r = diagnose(DoctorRequest(out, engine=engine_of(fmt)))
     f = next(f for f in r.findings if f.code == "CONFIG_TYPE")
     assert f.severity == "error" and repr(bad) in f.message
     assert list(f.remedy.config_set.values()) == [fixed]
@@ -312,10 +312,11 @@ def _trainer_dir(path, kind, **cfg_edit):
 
 @pytest.mark.parametrize("kind", ["specforge", "modelopt"])
 def test_trainer_formats_pass_clean_and_a_wrong_field_is_found(tmp_path, kind):
-    clean = diagnose(_trainer_dir(tmp_path / "clean", kind), engine="sglang", source=kind, target=_facts())
+    clean = diagnose(DoctorRequest(_trainer_dir(tmp_path / "clean", kind), engine="sglang", source=kind,
+                                   target=_facts()))
     assert not [c for c in clean.codes() if c.startswith("CONFIG_")], clean.findings
     bad = _trainer_dir(tmp_path / "bad", kind, intermediate_size=96)  # SGLang llama_eagle3.py:69-75
-    r = diagnose(bad, engine="sglang", source=kind, target=_facts())
+    r = diagnose(DoctorRequest(bad, engine="sglang", source=kind, target=_facts()))
     f = next(f for f in r.findings if f.code == "CONFIG_SHAPE")
     assert "intermediate_size is 96" in f.message and "gate_proj" in f.message
     fix_and_rerun(r, "CONFIG_SHAPE", bad, "sglang")
@@ -327,11 +328,12 @@ def test_a_draft_stating_no_dtype_is_built_in_float16_by_sglang(tmp_path):
     target's dtype. eaglewire's SGLang export states bfloat16."""
     for said in (None, "float32"):
         d = _trainer_dir(tmp_path / f"d-{said}", "specforge", torch_dtype=said)
-        r = diagnose(d, engine="sglang", source="specforge", target=_facts())
+        r = diagnose(DoctorRequest(d, engine="sglang", source="specforge", target=_facts()))
         f = next(f for f in r.findings if f.code == "CONFIG_DRIFT")
         assert f.severity == "warning" and "float16" in f.message and "--dtype bfloat16" in f.fix
-    r = diagnose(_trainer_dir(tmp_path / "bf16", "specforge"), engine="sglang", source="specforge", target=_facts())
+    r = diagnose(DoctorRequest(_trainer_dir(tmp_path / "bf16", "specforge"), engine="sglang", source="specforge",
+                               target=_facts()))
     assert "CONFIG_DRIFT" not in r.codes()
-    r = diagnose(_trainer_dir(tmp_path / "vllm", "specforge", torch_dtype=None), engine="vllm", source="specforge",
-                 target=_facts())
+    r = diagnose(DoctorRequest(_trainer_dir(tmp_path / "vllm", "specforge", torch_dtype=None), engine="vllm",
+                               source="specforge", target=_facts()))
     assert not any("float16" in f.message for f in r.findings)

@@ -10,7 +10,7 @@ import torch
 
 from eaglewire import interop, targets
 from eaglewire.checkpoint import save_draft
-from eaglewire.doctor import diagnose
+from eaglewire.doctor import DoctorRequest, diagnose
 from eaglewire.doctor import probe as P
 from eaglewire.doctor import probe_inputs
 from eaglewire.doctor.cli import render
@@ -59,7 +59,7 @@ def test_draft_reads_exactly_its_taps(world):
 def test_probe_of_clean_exports_is_ok(world, fmt):
     d, _, target = world
     out = _export(world, fmt, f"clean-{fmt}")
-    r = diagnose(out, target=target, probe=4, records=str(d / "ck"))
+    r = diagnose(DoctorRequest(out, target=target, probe=4, records=str(d / "ck")))
     assert r.codes() == ["PROBE_OK"], r.findings
     assert r.probe["wirings"][0]["acc1"] > 0.95
 
@@ -70,13 +70,13 @@ def test_shifted_config_is_measured_named_and_fixed(world):
     cfg = json.loads((out / "config.json").read_text())
     cfg["eagle_config"][IDS] = [0, 2, 5]  # SGLang reads taps [1, 3, 6]; trained on [2, 4, 7] = ids [1, 3, 6]
     (out / "config.json").write_text(json.dumps(cfg))
-    r = diagnose(out, target=target, probe=6, records=str(d / "ck"))
+    r = diagnose(DoctorRequest(out, target=target, probe=6, records=str(d / "ck")))
     f = r.get("PROBE_WIRING")
     assert f.severity == "error" and "[2, 4, 7]" in f.message and "[1, 3, 6]" in f.message
     assert "eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 6]" in f.fix
     assert {"TAPS_SHIFTED", "PROBE_LOW_ACCEPTANCE", "PROBE_TAP_STATS"} <= set(r.codes())
     f.remedy.apply(out)
-    again = diagnose(out, target=target, probe=6, records=str(d / "ck"))
+    again = diagnose(DoctorRequest(out, target=target, probe=6, records=str(d / "ck")))
     assert again.codes() == ["PROBE_OK"], again.findings
 
 
@@ -84,11 +84,11 @@ def test_fc_slots_in_another_order_are_fixed_by_permuting_fc(world, tmp_path):
     _, model, target = world
     draft = fx.probe_draft(model, key_slot=0)  # reads tap 7 from slot 0: trained high -> low
     save_draft(draft, tmp_path / "ck", contract=TapContract(8, fx.TAPS), target_fingerprint=target.fingerprint)
-    r = diagnose(tmp_path / "ck", target=target, probe=4)
+    r = diagnose(DoctorRequest(tmp_path / "ck", target=target, probe=4))
     f = r.get("PROBE_WIRING")
     assert "another order" in f.message and "fc.weight" in f.fix
     f.remedy.apply(tmp_path / "ck")
-    assert diagnose(tmp_path / "ck", target=target, probe=4).codes() == ["PROBE_OK"]
+    assert diagnose(DoctorRequest(tmp_path / "ck", target=target, probe=4)).codes() == ["PROBE_OK"]
 
 
 def test_foreign_draft_taps_are_unverified_until_measured(world):
@@ -97,8 +97,8 @@ def test_foreign_draft_taps_are_unverified_until_measured(world):
     cfg = json.loads((out / "config.json").read_text())
     cfg.pop("eaglewire")
     (out / "config.json").write_text(json.dumps(cfg))
-    assert diagnose(out, target=target).get("TAPS_UNVERIFIED").severity == "warning"
-    r = diagnose(out, target=target, probe=4)
+    assert diagnose(DoctorRequest(out, target=target)).get("TAPS_UNVERIFIED").severity == "warning"
+    r = diagnose(DoctorRequest(out, target=target, probe=4))
     assert r.get("TAPS_UNVERIFIED").severity == "info" and "PROBE_OK" in r.codes() and r.exit_code == 0
 
 
@@ -117,7 +117,7 @@ def test_a_draft_that_predicts_nothing_is_no_evidence(world, tmp_path):
     cfg = json.loads((tmp_path / "foreign" / "config.json").read_text())
     cfg.pop("eaglewire")
     (tmp_path / "foreign" / "config.json").write_text(json.dumps(cfg))
-    r = diagnose(tmp_path / "foreign", target=target, probe=4)
+    r = diagnose(DoctorRequest(tmp_path / "foreign", target=target, probe=4))
     assert r.get("PROBE_UNSURE").severity == "warning" and "PROBE_OK" not in r.codes(), r.findings
     assert r.get("TAPS_UNVERIFIED").severity == "warning"
 
@@ -125,10 +125,10 @@ def test_a_draft_that_predicts_nothing_is_no_evidence(world, tmp_path):
 def test_wrong_target_lowers_acceptance_and_the_right_one_restores_it(world):
     d, _, target = world
     other = fx.as_target(fx.probe_target(seed=1))  # same shapes, other weights
-    r = diagnose(d / "ck", target=other, probe=4)
+    r = diagnose(DoctorRequest(d / "ck", target=other, probe=4))
     assert "PROBE_LOW_ACCEPTANCE" in r.codes()
     assert any("weights_hash" in f.message for f in r.findings if f.code == "TARGET_MISMATCH")
-    assert diagnose(d / "ck", target=target, probe=4).codes() == ["PROBE_OK"]
+    assert diagnose(DoctorRequest(d / "ck", target=target, probe=4)).codes() == ["PROBE_OK"]
 
 
 def test_a_trained_draft_exported_for_every_engine_passes_clean(tmp_path):
@@ -149,13 +149,14 @@ def test_a_trained_draft_exported_for_every_engine_passes_clean(tmp_path):
           target, tmp_path / "data", out=tmp_path / "ck", progress=False)
     # The chat target's adjacent layers carry the same information (random, 8 layers): every tap -1 reads as
     # well as the trained taps, so the probe has no evidence either way and says so, as a warning, never an error.
-    r = diagnose(tmp_path / "ck", target=target, probe=8, prompts=str(prompts))
+    r = diagnose(DoctorRequest(tmp_path / "ck", target=target, probe=8, prompts=str(prompts)))
     assert r.codes() == ["PROBE_UNSURE"] and r.exit_code == 0, r.findings
     assert "every tap -1" in r.get("PROBE_UNSURE").message
     assert "tap_stats" in r.probe and r.probe["recorded_acc"]
     for fmt in ("sglang", "vllm", "speculators"):
         interop.export_draft(tmp_path / "ck", fmt, tmp_path / fmt)
-        r = diagnose(tmp_path / fmt, target=target, probe=8, prompts=str(prompts), records=str(tmp_path / "ck"))
+        r = diagnose(DoctorRequest(tmp_path / fmt, target=target, probe=8, prompts=str(prompts),
+                                   records=str(tmp_path / "ck")))
         assert r.codes() == ["PROBE_UNSURE"] and r.exit_code == 0, (fmt, r.findings)
 
 
@@ -195,9 +196,9 @@ def test_plus_one_ids_of_a_foreign_draft_are_measured_named_and_fixed(trained, f
     the draft reads best, with the paired interval and the cost, and its fix makes the engine feed them."""
     d, target = trained
     shifted = _foreign(d, fmt, f"{fmt}-plus1", lambda h: h.__setitem__(IDS, [i + 1 for i in h[IDS]]))
-    static = diagnose(shifted, target=target)
+    static = diagnose(DoctorRequest(shifted, target=target))
     assert static.exit_code == 0 and "TAPS_UNVERIFIED" in static.codes()  # nothing to compare the ids with
-    r = diagnose(shifted, target=target, probe=32)
+    r = diagnose(DoctorRequest(shifted, target=target, probe=32))
     f = r.get("PROBE_WIRING")
     assert f.severity == "error" and r.exit_code == 1, r.findings
     assert "will feed [3, 5, 6]" in f.message and "reads [2, 4, 5]" in f.message and "interval +0." in f.message
@@ -205,10 +206,10 @@ def test_plus_one_ids_of_a_foreign_draft_are_measured_named_and_fixed(trained, f
     d_ = next(w for w in r.probe["wirings"] if w["taps"] == [2, 4, 5])["vs_engine"]
     assert d_["better"] and d_["cost"] >= 0.03 and d_["acceptance_length_ci"][0] > 0
     f.remedy.apply(shifted)
-    again = diagnose(shifted, target=target, probe=32)
+    again = diagnose(DoctorRequest(shifted, target=target, probe=32))
     assert again.get("PROBE_OK") is not None and again.exit_code == 0, again.findings
     right = _foreign(d, fmt, f"{fmt}-right", lambda h: None)
-    ok = diagnose(right, target=target, probe=32)
+    ok = diagnose(DoctorRequest(right, target=target, probe=32))
     assert ok.exit_code == 0 and ok.get("PROBE_OK").message.startswith(
         f"the wiring {'SGLang' if fmt == 'sglang' else 'vLLM'}"), ok.findings
     assert "scores best" not in ok.get("PROBE_OK").message
@@ -219,15 +220,15 @@ def test_no_ids_anywhere_the_probe_decides_and_pins_them(trained):
     command; the probe then finds the engine's fallback right and --apply writes it down explicitly."""
     d, target = trained
     bare = _foreign(d, "vllm", "vllm-noids", lambda h: h.pop(IDS))
-    f = diagnose(bare, target=target).get("TAPS_MISSING")
+    f = diagnose(DoctorRequest(bare, target=target)).get("TAPS_MISSING")
     assert f.severity == "warning" and "unknown" in f.message and "happen" not in f.message
     assert "--probe 32" in f.fix
-    r = diagnose(bare, target=target, probe=32)
+    r = diagnose(DoctorRequest(bare, target=target, probe=32))
     ok = r.get("PROBE_OK")
     assert ok is not None and r.get("TAPS_MISSING").severity == "info" and ok.remedy is not None, r.findings
     ok.remedy.apply(bare)
     assert json.loads((bare / "config.json").read_text())[IDS] == [2, 4, 5]
-    assert "TAPS_MISSING" not in diagnose(bare, target=target).codes()
+    assert "TAPS_MISSING" not in diagnose(DoctorRequest(bare, target=target)).codes()
 
 
 def test_ids_under_a_key_the_engine_ignores_are_evidence(trained):
@@ -235,9 +236,9 @@ def test_ids_under_a_key_the_engine_ignores_are_evidence(trained):
     [2, 4, 5]; the ids state [3, 5, 6] as SGLang reads them. Different taps: an error giving both."""
     d, target = trained
     out = _foreign(d, "vllm", "vllm-nested", lambda h: h.setdefault("eagle_config", {}).__setitem__(IDS, h.pop(IDS)))
-    f = diagnose(out, target=target).get("TAPS_WRONG_PLACE")
+    f = diagnose(DoctorRequest(out, target=target)).get("TAPS_WRONG_PLACE")
     assert f.severity == "error" and "[3, 5, 6] as SGLang reads them" in f.message and "[2, 4, 5]" in f.message
-    r = diagnose(out, target=target, probe=32)  # measured: the fallback is what the draft reads best
+    r = diagnose(DoctorRequest(out, target=target, probe=32))  # measured: the fallback is what the draft reads best
     assert r.get("PROBE_OK") is not None and r.get("TAPS_WRONG_PLACE").severity == "info", r.findings
     assert any(w["label"].startswith("as SGLang reads the ids under") for w in r.probe["wirings"])
 
@@ -259,10 +260,10 @@ def test_probe_suite_file_and_counts_in_the_report(world, tmp_path):
     target = targets.load_target(str(fx.save_target_dir(tmp_path / "t", model)), device="cpu")
     suite = tmp_path / "suite.txt"
     suite.write_text("".join(f"question number {i}\n" for i in range(5)))
-    r = diagnose(d / "ck", target=target, probe=4, suite=str(suite), probe_tokens=12)
+    r = diagnose(DoctorRequest(d / "ck", target=target, probe=4, suite=str(suite), probe_tokens=12))
     assert r.probe["prompts"] == 4 and r.probe["prompt_source"] == f"--suite {suite.name}"
     assert r.probe["positions"] > 0 and r.probe["rounds"] > 0
     text = render(r)
     assert "4 prompt(s)" in text and f"{r.probe['positions']} positions" in text
     with pytest.raises(UsageError):
-        diagnose(d / "ck", target=target, probe=4, suite=str(suite), prompts=str(suite))
+        diagnose(DoctorRequest(d / "ck", target=target, probe=4, suite=str(suite), prompts=str(suite)))

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from eaglewire import interop
 from eaglewire.checkpoint import save_draft
 from eaglewire.cli import main as cli_main
-from eaglewire.doctor import diagnose
+from eaglewire.doctor import DoctorRequest, diagnose
 from eaglewire.doctor.subject import TargetFacts
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.targets import Target, fingerprint
@@ -54,7 +54,7 @@ def fix_and_rerun(report, code, path, **kw):
         f.remedy.apply(path)
     if f.remedy.engine_args is not None:
         kw["engine_args"] = f.remedy.engine_args
-    again = diagnose(path, **kw)
+    again = diagnose(DoctorRequest(path, **kw))
     assert code not in again.codes(), (code, again.findings)
     return again
 
@@ -70,26 +70,26 @@ def tiny_target(seed=0):
 @pytest.mark.parametrize("target,taps", [(LLAMA, (2, 4, 5)), (DEEPSEEK, (3, 31, 59)), (DEEPSEEK, (2, 30, 58))])
 def test_every_eaglewire_export_passes_clean_on_its_engine(tmp_path, fmt, target, taps):
     out = export(tmp_path, fmt, taps=taps, target=target)
-    r = diagnose(out, engine="vllm" if fmt == "speculators" else fmt)
+    r = diagnose(DoctorRequest(out, engine="vllm" if fmt == "speculators" else fmt))
     assert not r.codes("error") and not r.codes("warning"), r.findings
     assert r.exit_code == 0
 
 
 def test_native_checkpoint_without_engine_passes_clean(tmp_path):
     save_tiny(tmp_path / "ck")
-    assert diagnose(tmp_path / "ck").findings == []
+    assert diagnose(DoctorRequest(tmp_path / "ck")).findings == []
 
 
 # --- format ------------------------------------------------------------------------------------
 
 def test_native_checkpoint_for_an_engine_needs_export_and_the_command_works(tmp_path):
     save_tiny(tmp_path / "ck")
-    r = diagnose(tmp_path / "ck", engine="sglang")
+    r = diagnose(DoctorRequest(tmp_path / "ck", engine="sglang"))
     f = r.get("NOT_ENGINE_FORMAT")
     assert f.severity == "error" and "eaglewire export" in f.fix
     for argv in f.remedy.commands:
         assert cli_main(list(argv[1:])) == 0
-    again = diagnose(f.remedy.then_doctor, engine="sglang")
+    again = diagnose(DoctorRequest(f.remedy.then_doctor, engine="sglang"))
     assert again.exit_code == 0 and not again.codes("warning")
 
 
@@ -99,14 +99,14 @@ def test_taps_missing_sglang_falls_back_to_default_taps(tmp_path):
     out = export(tmp_path, "sglang", taps=(2, 4, 6))  # SGLang's default for 8 layers is [2, 4, 5]
     edit(out, lambda c: c["eagle_config"].pop(IDS))
     edit(out, lambda c: c.pop("eaglewire"))  # a foreign directory: nothing recorded
-    r = diagnose(out, engine="sglang", source="sglang")  # nothing known of the target: still found
+    r = diagnose(DoctorRequest(out, engine="sglang", source="sglang"))  # nothing known of the target: still found
     assert "TAPS_MISSING" in r.codes() and "pass --target" in r.get("DRAFT_UNREADABLE").message
-    r = diagnose(out, source="sglang", target=tiny_target())
+    r = diagnose(DoctorRequest(out, source="sglang", target=tiny_target()))
     assert r.get("TAPS_MISSING").severity == "warning" and "TAPS_UNVERIFIED" in r.codes()
     # With the record kept, the fallback is an error and the fix writes the nested key.
     out2 = export(tmp_path, "sglang", taps=(2, 4, 6), name="rec")
     edit(out2, lambda c: c["eagle_config"].pop(IDS))
-    r = diagnose(out2)
+    r = diagnose(DoctorRequest(out2))
     f = r.get("TAPS_MISSING")
     assert f.severity == "error" and "bare `except:`" in f.message and "[2, 4, 5]" in f.message
     fix_and_rerun(r, "TAPS_MISSING", out2)
@@ -115,12 +115,12 @@ def test_taps_missing_sglang_falls_back_to_default_taps(tmp_path):
 def test_taps_in_the_wrong_place_for_each_engine(tmp_path):
     sg = export(tmp_path, "sglang", taps=(2, 4, 6))
     edit(sg, lambda c: c.__setitem__(IDS, c["eagle_config"].pop(IDS)))  # top level: SGLang never reads it
-    r = diagnose(sg)
+    r = diagnose(DoctorRequest(sg))
     assert r.get("TAPS_WRONG_PLACE").severity == "error"
     fix_and_rerun(r, "TAPS_WRONG_PLACE", sg)
     vl = export(tmp_path, "vllm", taps=(2, 4, 6))
     edit(vl, lambda c: c.setdefault("eagle_config", {}).__setitem__(IDS, c.pop(IDS)))  # nested: vLLM never reads it
-    r = diagnose(vl)
+    r = diagnose(DoctorRequest(vl))
     assert r.get("TAPS_WRONG_PLACE").severity == "error"
     fix_and_rerun(r, "TAPS_WRONG_PLACE", vl)
 
@@ -129,7 +129,7 @@ def test_taps_shifted_by_a_forgotten_plus_one(tmp_path):
     """SGLang llama.py adds +1 to explicit ids: canonical taps written as ids capture one layer later."""
     out = export(tmp_path, "sglang", taps=(2, 4, 5))
     edit(out, lambda c: c["eagle_config"].__setitem__(IDS, [2, 4, 5]))
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     f = r.get("TAPS_SHIFTED")
     assert "[3, 5, 6]" in f.message and "[1, 3, 4]" in f.fix
     assert fix_and_rerun(r, "TAPS_SHIFTED", out).exit_code == 0
@@ -140,8 +140,8 @@ def test_seed_incident_kimi_ids_under_the_deepseek_first_id_heuristic(tmp_path):
     0.5.13 (unconditional +1); deepseek_v2.py since PR #25454 reads them as taps [2, 30, 58]."""
     out = export(tmp_path, "sglang", taps=(3, 31, 59), target=DEEPSEEK, version="0.5.12")
     assert json.loads((out / "config.json").read_text())["eagle_config"][IDS] == [2, 30, 58]
-    assert diagnose(out).exit_code == 0  # the version it was exported for
-    r = diagnose(out, engine_version="0.5.13")
+    assert diagnose(DoctorRequest(out)).exit_code == 0  # the version it was exported for
+    r = diagnose(DoctorRequest(out, engine_version="0.5.13"))
     f = r.get("TAPS_SHIFTED")
     assert "[2, 30, 58]" in f.message and "[3, 31, 59]" in f.message and "[3, 31, 59]" in f.fix
     fix_and_rerun(r, "TAPS_SHIFTED", out, engine_version="0.5.13")
@@ -153,11 +153,11 @@ def test_foreign_deepseek_directory_needs_the_sglang_version(tmp_path):
     out = export(tmp_path, "sglang", taps=(3, 31, 59), target=DEEPSEEK)
     edit(out, lambda c: c.pop("eaglewire"))
     facts = TargetFacts(fingerprint=dict(DEEPSEEK))
-    r = diagnose(out, target=facts, source="sglang")
+    r = diagnose(DoctorRequest(out, target=facts, source="sglang"))
     assert "--engine-version" in r.get("DRAFT_UNREADABLE").message
-    r = diagnose(out, target=facts, source="sglang", engine_version="0.5.13")
+    r = diagnose(DoctorRequest(out, target=facts, source="sglang", engine_version="0.5.13"))
     assert r.codes() == ["TAPS_UNVERIFIED"] and r.context["taps"] == [3, 31, 59]
-    r = diagnose(out, target=facts, source="sglang", engine_version="0.5.12")
+    r = diagnose(DoctorRequest(out, target=facts, source="sglang", engine_version="0.5.12"))
     assert r.context["taps"] == [4, 32, 60]  # what old SGLang would capture: the inference follows the engine
 
 
@@ -165,30 +165,30 @@ def test_taps_unsupported_by_sglang_then_served_by_vllm(tmp_path):
     save_tiny(tmp_path / "ck", taps=(2, 4, 8))  # tap 8 = the last layer's output: SGLang never captures it
     sg = export(tmp_path, "sglang", taps=(2, 4, 5), name="sg")
     edit(sg, lambda c: c["eaglewire"].__setitem__("taps", TapContract(8, (2, 4, 8)).to_dict()))
-    r = diagnose(sg)
+    r = diagnose(DoctorRequest(sg))
     f = r.get("TAPS_UNSUPPORTED")
     assert f.severity == "error" and "vllm" in f.fix.lower()
     vl = tmp_path / "vl"
     interop.export_draft(tmp_path / "ck", "vllm", vl)
-    assert diagnose(vl).exit_code == 0
+    assert diagnose(DoctorRequest(vl)).exit_code == 0
 
 
 def test_tap_count_unsupported_before_sglang_0_5_12(tmp_path):
     out = export(tmp_path, "sglang", taps=(1, 3, 5, 6))
-    r = diagnose(out, engine_version="0.5.11")
+    r = diagnose(DoctorRequest(out, engine_version="0.5.11"))
     assert "TAPS_UNSUPPORTED" in r.codes() and "0.5.12" in r.get("TAPS_UNSUPPORTED").fix
     assert "FC_SHAPE" not in r.codes()  # one root cause, one finding
-    assert "TAPS_UNSUPPORTED" not in diagnose(out, engine_version="0.5.12").codes()
+    assert "TAPS_UNSUPPORTED" not in diagnose(DoctorRequest(out, engine_version="0.5.12")).codes()
 
 
 def test_embedding_id_crashes_sglang_and_out_of_range_ids(tmp_path):
     out = export(tmp_path, "sglang", taps=(2, 4, 5))
     edit(out, lambda c: c["eagle_config"].__setitem__(IDS, [-1, 3, 4]))  # tap 0: residual is None in llama.py
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     assert "TAPS_UNSUPPORTED" in r.codes()
     fix_and_rerun(r, "TAPS_UNSUPPORTED", out)
     edit(out, lambda c: c["eagle_config"].__setitem__(IDS, [1, 3, 20]))
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     assert "TAPS_OUT_OF_RANGE" in r.codes()
     fix_and_rerun(r, "TAPS_OUT_OF_RANGE", out)
 
@@ -196,7 +196,7 @@ def test_embedding_id_crashes_sglang_and_out_of_range_ids(tmp_path):
 def test_malformed_ids_are_an_error_not_a_crash(tmp_path):
     out = export(tmp_path, "sglang")
     edit(out, lambda c: c["eagle_config"].__setitem__(IDS, "1,3,4"))
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     assert r.get("TAPS_MISSING").severity == "error"
 
 
@@ -209,15 +209,16 @@ def test_fc_shape_against_a_target_of_another_width(tmp_path):
     m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=8,
                                            num_attention_heads=4, num_key_value_heads=2))
     wide = Target(spec="wide", model=m, tokenizer=None, fingerprint=fingerprint(m))
-    r = diagnose(out, target=wide)
+    r = diagnose(DoctorRequest(out, target=wide))
     # the draft's own files agree (fc is 3 x 32 wide): the pairing is wrong, and the message names both widths
     f = next(f for f in r.findings if f.code == "TARGET_MISMATCH" and "fc.weight" in f.message)
     assert f.severity == "error" and "32 wide" in f.message and "hidden size 64" in f.message
     assert "FC_SHAPE" not in r.codes()
     edit(out, lambda c: c.pop("eaglewire"))  # the same without a record: the draft's width is all there is to go by
-    r = diagnose(out, target=wide)
+    r = diagnose(DoctorRequest(out, target=wide))
     assert "TARGET_MISMATCH" in r.codes() and "FC_SHAPE" not in r.codes() and "DRAFT_UNREADABLE" not in r.codes()
-    assert "TARGET_MISMATCH" not in diagnose(out, target=tiny_target()).codes()  # the fix: the right target
+    # the fix: the right target
+    assert "TARGET_MISMATCH" not in diagnose(DoctorRequest(out, target=tiny_target())).codes()
 
 
 def test_fc_shape_when_target_hidden_size_is_missing(tmp_path):
@@ -228,7 +229,7 @@ def test_fc_shape_when_target_hidden_size_is_missing(tmp_path):
     save_draft(d, tmp_path / "ck", contract=TapContract(8, (2, 4, 5)), target_fingerprint=target)
     interop.export_draft(tmp_path / "ck", "sglang", tmp_path / "sg")
     edit(tmp_path / "sg", lambda c: c.pop("target_hidden_size"))
-    r = diagnose(tmp_path / "sg")
+    r = diagnose(DoctorRequest(tmp_path / "sg"))
     assert "FC_SHAPE" in r.codes()
     fix_and_rerun(r, "FC_SHAPE", tmp_path / "sg")
 
@@ -236,15 +237,15 @@ def test_fc_shape_when_target_hidden_size_is_missing(tmp_path):
 def test_fc_bypass_by_engine_algorithm_and_by_config(tmp_path):
     out = export(tmp_path, "sglang")
     args = "--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
-    r = diagnose(out, engine_args=args)
+    r = diagnose(DoctorRequest(out, engine_args=args))
     assert "acceptance length ~1.0" in r.get("FC_BYPASS").message
     fix_and_rerun(r, "FC_BYPASS", out, engine_args=args)
     edit(out, lambda c: c["eagle_config"].__setitem__("use_aux_hidden_state", False))
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     fix_and_rerun(r, "FC_BYPASS", out)
     vl = export(tmp_path, "vllm")
     vargs = f"vllm serve T --speculative-config '{json.dumps({'method': 'eagle', 'model': str(vl), 'num_speculative_tokens': 3})}'"
-    r = diagnose(vl, engine_args=vargs)
+    r = diagnose(DoctorRequest(vl, engine_args=vargs))
     fix_and_rerun(r, "FC_BYPASS", vl, engine_args=vargs)
 
 
@@ -255,19 +256,19 @@ def test_layers0_names_silently_dropped_by_sglang_before_0_5_12(tmp_path):
     out = export(tmp_path, "sglang")
     edit_weights(out, lambda s: s.update({k.replace("midlayer.", "layers.0."): s.pop(k) for k in list(s)
                                           if k.startswith("midlayer.")}))
-    r = diagnose(out, engine_version="0.5.11")
+    r = diagnose(DoctorRequest(out, engine_version="0.5.11"))
     f = r.get("WEIGHTS_DROPPED")
     assert "silently drops" in f.message and "layers.0." in f.message
     fix_and_rerun(r, "WEIGHTS_DROPPED", out, engine_version="0.5.11")
     edit_weights(out, lambda s: s.pop("norm.weight"))
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     assert "norm.weight" in r.get("WEIGHTS_DROPPED").message and "export" in r.get("WEIGHTS_DROPPED").fix
 
 
 def test_d2t_absolute_ids_and_t2d_disagreement(tmp_path):
     out = export(tmp_path, "sglang")
     edit_weights(out, lambda s: s.__setitem__("d2t", s["d2t"] + torch.arange(s["d2t"].numel())))
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     assert "absolute" in r.get("D2T_INVALID").message
     fix_and_rerun(r, "D2T_INVALID", out)
 
@@ -277,7 +278,7 @@ def test_d2t_absolute_ids_and_t2d_disagreement(tmp_path):
         t2d[on], t2d[off] = False, True
         s["t2d"] = t2d
     edit_weights(out, scramble)
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     assert "t2d" in r.get("D2T_INVALID").message
     fix_and_rerun(r, "D2T_INVALID", out)
 
@@ -285,18 +286,18 @@ def test_d2t_absolute_ids_and_t2d_disagreement(tmp_path):
 def test_lm_head_replaced_by_sglang(tmp_path):
     out = export(tmp_path, "sglang")
     edit(out, lambda c: c.__setitem__("draft_vocab_size", None))  # llama_eagle3.py:295-297: load_lm_head_from_target
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     assert "null: SGLang loads the TARGET's lm_head" in r.get("LM_HEAD_REPLACED").message
     fix_and_rerun(r, "LM_HEAD_REPLACED", out)
     edit(out, lambda c: c.pop("draft_vocab_size"))  # llama_eagle3.py:295, :307 read it: an AttributeError
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     assert "absent: SGLang fails to build the draft" in r.get("LM_HEAD_REPLACED").message
     fix_and_rerun(r, "LM_HEAD_REPLACED", out)
     edit(out, lambda c: c.__setitem__("tie_word_embeddings", True))
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     fix_and_rerun(r, "LM_HEAD_REPLACED", out)
     edit(out, lambda c: c.__setitem__("draft_vocab_size", 100))
-    r = diagnose(out)
+    r = diagnose(DoctorRequest(out))
     fix_and_rerun(r, "LM_HEAD_REPLACED", out)
 
 
@@ -308,29 +309,29 @@ def test_embedding_mismatch_swapped_by_sglang_kept_by_vllm(tmp_path):
         d.embed_tokens.weight.add_(0.5)  # trained with its own embedding
     save_draft(d, tmp_path / "ck", contract=TapContract(8, (2, 4, 5)), target_fingerprint=t.fingerprint)
     interop.export_draft(tmp_path / "ck", "sglang", tmp_path / "sg")
-    r = diagnose(tmp_path / "sg", target=t)
+    r = diagnose(DoctorRequest(tmp_path / "sg", target=t))
     assert r.get("EMBED_MISMATCH").severity == "error" and "vLLM" in r.get("EMBED_MISMATCH").fix
     interop.export_draft(tmp_path / "ck", "vllm", tmp_path / "vl")  # the fix: serve with vLLM
-    assert "EMBED_MISMATCH" not in diagnose(tmp_path / "vl", target=t).codes()
+    assert "EMBED_MISMATCH" not in diagnose(DoctorRequest(tmp_path / "vl", target=t)).codes()
 
 
 def test_norm_flags_implicit_mismatched_and_unsupported(tmp_path):
     vl = export(tmp_path, "vllm")
     edit(vl, lambda c: c.pop("norm_before_residual"))  # vLLM update_eagle3: absent -> True
-    r = diagnose(vl)
+    r = diagnose(DoctorRequest(vl))
     assert r.get("NORM_FLAGS_IMPLICIT").severity == "error"
     fix_and_rerun(r, "NORM_FLAGS_IMPLICIT", vl)
     edit(vl, lambda c: c.__setitem__("norm_output", True))
-    r = diagnose(vl)
+    r = diagnose(DoctorRequest(vl))
     fix_and_rerun(r, "NORM_FLAG_MISMATCH", vl)
     edit(vl, lambda c: (c.pop("norm_before_residual"), c.pop("eaglewire")))
-    r = diagnose(vl, source="vllm")  # foreign: no record, the absence itself is the risk
+    r = diagnose(DoctorRequest(vl, source="vllm"))  # foreign: no record, the absence itself is the risk
     assert r.get("NORM_FLAGS_IMPLICIT").severity == "warning"
     fix_and_rerun(r, "NORM_FLAGS_IMPLICIT", vl, source="vllm")
     sg = export(tmp_path, "sglang", name="fcnorm", fc_norm=True)
-    r = diagnose(sg, engine_version="0.5.11")
+    r = diagnose(DoctorRequest(sg, engine_version="0.5.11"))
     assert "NORM_UNSUPPORTED" in r.codes()
-    assert "NORM_UNSUPPORTED" not in diagnose(sg).codes()
+    assert "NORM_UNSUPPORTED" not in diagnose(DoctorRequest(sg)).codes()
 
 
 # --- engine arguments, target, unreadable -------------------------------------------------------
@@ -338,7 +339,7 @@ def test_norm_flags_implicit_mismatched_and_unsupported(tmp_path):
 def test_engine_args_seed_incident_16_draft_tokens_become_2(tmp_path):
     out = export(tmp_path, "sglang")
     args = "--speculative-algorithm EAGLE3 --speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 16"
-    r = diagnose(out, engine_args=args)
+    r = diagnose(DoctorRequest(out, engine_args=args))
     f = r.get("ENGINE_ARGS_OVERRIDE")
     assert f.severity == "warning" and "asked 16" in f.message and "use 2" in f.message
     fix_and_rerun(r, "ENGINE_ARGS_OVERRIDE", out, engine_args=args)
@@ -347,21 +348,21 @@ def test_engine_args_seed_incident_16_draft_tokens_become_2(tmp_path):
                     "--speculative-algorithm EAGLE3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
                     "--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-eagle-topk 4 "
                     "--speculative-num-draft-tokens 8 --attention-backend trtllm_mha"):
-        r = diagnose(out, engine_args=refused)
+        r = diagnose(DoctorRequest(out, engine_args=refused))
         assert "ENGINE_ARGS_REFUSED" in r.codes(), refused
         fixed = fix_and_rerun(r, "ENGINE_ARGS_REFUSED", out, engine_args=refused)
         assert not fixed.codes("warning") and not fixed.codes("error"), fixed.findings
     args = f"--speculative-config '{json.dumps({'method': 'eagle3', 'model': 'd'})}'"
     vl = export(tmp_path, "vllm")  # a speculators config names its own speculative_tokens: vLLM takes those
-    assert diagnose(vl, engine_args=args).get("ENGINE_ARGS_OVERRIDE").severity == "info"
+    assert diagnose(DoctorRequest(vl, engine_args=args)).get("ENGINE_ARGS_OVERRIDE").severity == "info"
     # A plain config has none: vLLM refuses to start without num_speculative_tokens.
-    fix_and_rerun(diagnose(out, engine="vllm", engine_args=args), "ENGINE_ARGS_REFUSED", out, engine="vllm",
-                  engine_args=args)
+    fix_and_rerun(diagnose(DoctorRequest(out, engine="vllm", engine_args=args)), "ENGINE_ARGS_REFUSED", out,
+                  engine="vllm", engine_args=args)
 
 
 def test_engine_args_auto_defaults_are_reported_per_target(tmp_path):
     out = export(tmp_path, "sglang", taps=(3, 31, 59), target=DEEPSEEK)
-    r = diagnose(out, engine_args="--speculative-algorithm EAGLE3")
+    r = diagnose(DoctorRequest(out, engine_args="--speculative-algorithm EAGLE3"))
     f = r.get("ENGINE_ARGS_OVERRIDE")
     assert f.severity == "info" and "(3, 1, 4)" in f.message
     fix_and_rerun(r, "ENGINE_ARGS_OVERRIDE", out, engine_args="--speculative-algorithm EAGLE3")
@@ -373,9 +374,9 @@ def test_target_mismatch(tmp_path):
     out = export(tmp_path, "vllm")
     m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                                            num_attention_heads=4, num_key_value_heads=2))
-    r = diagnose(out, target=Target(spec="other", model=m, tokenizer=None, fingerprint=fingerprint(m)))
+    r = diagnose(DoctorRequest(out, target=Target(spec="other", model=m, tokenizer=None, fingerprint=fingerprint(m))))
     assert any("vocab_size" in f.message for f in r.findings if f.code == "TARGET_MISMATCH")
-    assert "TARGET_MISMATCH" not in diagnose(out, target=tiny_target()).codes()
+    assert "TARGET_MISMATCH" not in diagnose(DoctorRequest(out, target=tiny_target())).codes()
 
 
 def test_unreadable_foreign_directory(tmp_path):
@@ -383,5 +384,5 @@ def test_unreadable_foreign_directory(tmp_path):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"architectures": ["Nope"]}))
     save_file({"x": torch.zeros(1)}, str(d / "model.safetensors"))
-    r = diagnose(d)
+    r = diagnose(DoctorRequest(d))
     assert r.get("DRAFT_UNREADABLE").severity == "error" and r.exit_code == 1

@@ -239,7 +239,7 @@ def shifted(raw: Path, engine: str, num_layers: int, out: Path) -> Path:
 
 
 def stage_doctor(w: Work, a, imported: dict) -> dict:
-    from eaglewire.doctor import diagnose
+    from eaglewire.doctor import DoctorRequest, diagnose
 
     tgt = targets.load_target(a.target, device=a.device)
     out = {k: v for k, v in (w.done("doctor") or {}).items() if k != "stage_s"}  # an earlier run's rows
@@ -251,7 +251,7 @@ def stage_doctor(w: Work, a, imported: dict) -> dict:
         for variant, d in (("as written", raw), ("every id +1", shifted(raw, engine, tgt.num_layers,
                                                                          w / "doctor" / f"{name}-plus1"))):
             t0 = time.perf_counter()
-            r = diagnose(d, target=tgt, engine=engine, probe=a.probe, probe_tokens=128)
+            r = diagnose(DoctorRequest(d, target=tgt, engine=engine, probe=a.probe, probe_tokens=128))
             verdict = next((f for f in r.findings if f.code in ("PROBE_WIRING", "PROBE_OK", "PROBE_UNSURE")), None)
             rows[variant] = {"exit": r.exit_code, "codes": [f"{f.severity}:{f.code}" for f in r.findings],
                              "verdict": f"{verdict.severity}:{verdict.code}" if verdict else None,

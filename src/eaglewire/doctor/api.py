@@ -1,12 +1,13 @@
-"""The doctor's Python entry point: `diagnose(draft, target=..., engine=..., ...) -> Report`, every static check
-then (with a probe) the measurement. The command line (cli.py) parses its flags and prints the report.
+"""The doctor's Python entry point: `diagnose(DoctorRequest(draft, target=..., engine=..., ...)) -> Report`,
+every static check then (with a probe) the measurement. The request checks its own arguments when built;
+the command line (cli.py) maps its flags to one and prints the report.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from .. import interop
 from ..errors import EaglewireError, UsageError
@@ -61,33 +62,61 @@ def _infer_engine(text: str, fallback: str | None) -> str:
     raise UsageError("--engine-args: cannot tell which engine they are for; pass --engine sglang|vllm")
 
 
-def diagnose(draft, *, target=None, engine: str | None = None, engine_version: str | None = None,
-             engine_args: str | None = None, source: str | None = None, probe: int = 0, prompts=None,
-             suite: str | None = None, probe_steps: int = 7, probe_tokens: int = 128, records: str | None = None,
-             device: str | None = None, progress: bool = False) -> Report:
-    """Every static check, then (probe > 0, needs target) the measurement. target: a spec or a Target."""
-    if engine is not None and engine not in ENGINES:
-        raise UsageError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
-    if probe and target is None:
-        raise UsageError("--probe runs the target: pass --target")
-    if probe < 0 or probe_steps < 1 or probe_tokens < 2:
-        raise UsageError("--probe and --probe-steps must be positive, --probe-tokens at least 2")
-    if prompts and suite:
-        raise UsageError("--prompts and --suite: pass one (--prompts measures a file's written replies, --suite "
-                         "the target's own continuations of a suite's prompts)")
+@dataclass(frozen=True)
+class DoctorRequest:
+    """What to examine and how: `diagnose`'s one argument; `eaglewire doctor` maps its flags to it (cli.py).
+
+    draft: the directory; target: a spec, a loaded targets.Target or (API) a TargetFacts fingerprint;
+    probe: prompts to measure on (0: static checks only), from `prompts` (written replies) or `suite`
+    (the target's own continuations); records: the native checkpoint whose record an export lacks.
+    """
+
+    draft: object
+    _: KW_ONLY
+    target: object = None
+    engine: str | None = None
+    engine_version: str | None = None
+    engine_args: str | None = None
+    source: str | None = None
+    probe: int = 0
+    prompts: object = None
+    suite: str | None = None
+    probe_steps: int = 7
+    probe_tokens: int = 128
+    records: str | None = None
+    device: str | None = None
+    progress: bool = False
+
+    def __post_init__(self):
+        # Usage errors surface when the request is built, before any file or model is read.
+        if self.engine is not None and self.engine not in ENGINES:
+            raise UsageError(f"--engine {self.engine!r}: one of {', '.join(ENGINES)}")
+        if self.probe and self.target is None:
+            raise UsageError("--probe runs the target: pass --target")
+        if self.probe < 0 or self.probe_steps < 1 or self.probe_tokens < 2:
+            raise UsageError("--probe and --probe-steps must be positive, --probe-tokens at least 2")
+        if self.prompts and self.suite:
+            raise UsageError("--prompts and --suite: pass one (--prompts measures a file's written replies, "
+                             "--suite the target's own continuations of a suite's prompts)")
+        if self.probe and isinstance(self.target, TargetFacts):  # a fingerprint has no weights to run
+            raise UsageError("--probe runs the target: pass --target (a model, not a fingerprint)")
+
+
+def diagnose(req: DoctorRequest) -> Report:
+    """Every static check, then (req.probe > 0, needs a target) the measurement."""
+    target, engine = req.target, req.engine
     if isinstance(target, TargetFacts):  # a fingerprint only (API): no weights to compare or run
         tf, facts_given = None, target
     else:
-        tf, facts_given = (load_target(target, device) if target is not None else None), None
-    if probe and tf is None:
-        raise UsageError("--probe runs the target: pass --target (a model, not a fingerprint)")
-    s = load_subject(draft, source=source, target=tf or facts_given, engine_version=engine_version, records=records)
+        tf, facts_given = (load_target(target, req.device) if target is not None else None), None
+    s = load_subject(req.draft, source=req.source, target=tf or facts_given, engine_version=req.engine_version,
+                     records=req.records)
     facts = tf or facts_given or TargetFacts(fingerprint={**({"num_layers": s.contract.num_layers} if s.contract else {}),
                                            **s.recorded_target})
-    if engine is None and engine_args:
-        engine = _infer_engine(engine_args, s.engine)
+    if engine is None and req.engine_args:
+        engine = _infer_engine(req.engine_args, s.engine)
     engine = engine or s.engine
-    version, how = _version(engine, engine_version, s)
+    version, how = _version(engine, req.engine_version, s)
     findings: list[Finding] = []
     if s.load_error:
         findings.append(finding("DRAFT_UNREADABLE", "error" if s.draft is None and s.contract is None else "warning",
@@ -102,15 +131,15 @@ def diagnose(draft, *, target=None, engine: str | None = None, engine_version: s
             findings.append(finding("TAPS_MISSING", "error", f"{engine} cannot read the layer ids: {e}; SGLang's "
                                     "bare except then captures its default taps, vLLM refuses to start",
                                     "write the ids as a list of integers"))
-    run = eargs.parse(engine, engine_args, target_arch=facts.architecture, draft_path=str(s.path),
-                      draft_config=s.dd.config, engine_version=version) if engine_args else None
+    run = eargs.parse(engine, req.engine_args, target_arch=facts.architecture, draft_path=str(s.path),
+                      draft_config=s.dd.config, engine_version=version) if req.engine_args else None
     ctx = Context(subject=s, target=facts, engine=engine, version=version, version_assumed=how, view=view,
-                  run=run, engine_args=engine_args)
+                  run=run, engine_args=req.engine_args)
     findings += static.run_checks(ctx)
     context = _context(ctx, tf)
     record = None
-    if probe:
-        record = _probe(ctx, tf, s, probe, prompts, suite, probe_steps, probe_tokens, findings, progress)
+    if req.probe:
+        record = _probe(ctx, tf, s, req, findings)
     return Report(findings=findings, probe=record, context=context)
 
 
@@ -118,7 +147,7 @@ def diagnose(draft, *, target=None, engine: str | None = None, engine_version: s
 SETTLED_BY_PROBE = ("TAPS_UNVERIFIED", "TAPS_MISSING", "TAPS_WRONG_PLACE")
 
 
-def _probe(ctx, tf, s, n, prompts, suite, steps, new_tokens, findings, progress) -> dict:
+def _probe(ctx, tf, s, req: DoctorRequest, findings) -> dict:
     if s.draft is None:
         findings.append(finding("DRAFT_UNREADABLE", "error", "the probe needs the draft's weights, which could not "
                                 f"be loaded: {s.load_error}", "fix the findings above first"))
@@ -130,17 +159,17 @@ def _probe(ctx, tf, s, n, prompts, suite, steps, new_tokens, findings, progress)
         return {"skipped": "neither the taps the engine will capture nor the taps the draft was trained on are "
                            "known: fix the ids first (see the findings above)"}
     t0 = time.perf_counter()
-    inputs = probe_data.chosen(tf.loaded, n, prompts, suite, new_tokens)
-    if progress:
+    inputs = probe_data.chosen(tf.loaded, req.probe, req.prompts, req.suite, req.probe_tokens)
+    if req.progress:
         print(f"eaglewire doctor: probe: {len(inputs.seqs)} sequence(s) from {inputs.source} in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     new, record = probe_mod.run(tf.loaded, s.draft, engine_taps=engine_taps,
                                 trained=s.contract.taps if s.contract else None, recorded=s.recorded,
-                                inputs=inputs, steps=steps,
+                                inputs=inputs, steps=req.probe_steps,
                                 recorded_metrics=s.metrics, recorded_stats=s.tap_stats,
                                 change_for=lambda taps: contract_ids_remedy(ctx, taps), who=who,
                                 pin_ids=not s.recorded and v is not None and v.ids is None,
-                                stated=_stated(ctx, s), progress=progress)
+                                stated=_stated(ctx, s), progress=req.progress)
     verdict = next((f for f in new if f.code in ("PROBE_OK", "PROBE_WIRING")), None)
     if not s.recorded and verdict is not None:  # no record: the measurement, not an assumption, decides
         findings[:] = [f if f.code not in SETTLED_BY_PROBE else finding(

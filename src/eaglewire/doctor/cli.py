@@ -12,7 +12,7 @@ import json
 import sys
 
 from .. import cli_args, interop
-from .api import ENGINES, Report, diagnose
+from .api import ENGINES, DoctorRequest, Report, diagnose
 from .findings import CODES, SEVERITIES
 
 
@@ -73,12 +73,17 @@ def _probe_table(p: dict) -> str:
 
 # --- command line ---------------------------------------------------------------------------------------
 
+def _request(args) -> DoctorRequest:
+    """The command line's flags as the request `diagnose` takes (one flag, one field)."""
+    return DoctorRequest(args.draft, target=args.target, engine=args.engine, engine_version=args.engine_version,
+                         engine_args=args.engine_args, source=args.source, probe=args.probe or 0,
+                         prompts=args.prompts, suite=args.suite, probe_steps=args.probe_steps,
+                         probe_tokens=args.probe_tokens, records=args.records, device=args.device, progress=True)
+
+
 def cmd_doctor(args) -> int:
-    kw = dict(target=args.target, engine=args.engine, engine_version=args.engine_version,
-              engine_args=args.engine_args, source=args.source, probe=args.probe or 0, prompts=args.prompts,
-              suite=args.suite, probe_steps=args.probe_steps, probe_tokens=args.probe_tokens, records=args.records,
-              device=args.device, progress=True)
-    report = diagnose(args.draft, **kw)
+    request = _request(args)
+    report = diagnose(request)
     if args.apply:
         applied = [f for f in report.findings if f.remedy is not None and f.remedy.edits_files]
         for f in applied:
@@ -86,7 +91,7 @@ def cmd_doctor(args) -> int:
         if applied:
             print(f"applied {len(applied)} fix(es) to {args.draft}: {', '.join(f.code for f in applied)}; "
                   "examining it again", file=sys.stderr)
-            report = diagnose(args.draft, **kw)
+            report = diagnose(request)  # the same request: the fixes are in the files
     print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return report.exit_code
 

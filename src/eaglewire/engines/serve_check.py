@@ -310,11 +310,11 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
 def doctor_says(d: Path, eng, p: Prepared, engine_args: str | None = None) -> dict:
     """`eaglewire doctor`'s static verdict on a directory the engine is about to serve: its exit code and the
     findings above info."""
-    from ..doctor.api import diagnose
+    from ..doctor.api import DoctorRequest, diagnose
     from ..doctor.subject import TargetFacts
 
-    r = diagnose(d, target=TargetFacts(fingerprint=p.fingerprint or {"num_layers": p.num_layers}), engine=eng.name,
-                 engine_version=eng.export_version, engine_args=engine_args)
+    r = diagnose(DoctorRequest(d, target=TargetFacts(fingerprint=p.fingerprint or {"num_layers": p.num_layers}),
+                               engine=eng.name, engine_version=eng.export_version, engine_args=engine_args))
     return {"exit": r.exit_code, "findings": [f"{f.severity}:{f.code}" for f in r.findings if f.severity != "info"]}
 
 
