@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, parallel, prompts, targets
+from .. import checkpoint, cli_args, parallel, prompts, targets
 from ..capture import capture, locate
 from ..data import shards
 from ..decode.decoder import check_pair
@@ -547,10 +547,18 @@ def cmd_train(args) -> int:
 
 
 def register(sub) -> None:
-    from .. import cli_args
-
     p = sub.add_parser("train", help="train an EAGLE-3 draft (training-time test) from datagen shards or online")
     cli_args.add_target(p)
+    _add_source(p)
+    _add_schedule(p.add_argument_group("schedule"))
+    _add_draft(p.add_argument_group("draft and loss"))
+    _add_evaluation(p.add_argument_group("evaluation, checkpoints, logging"))
+    _add_devices(p.add_argument_group("devices"))
+    _add_regen(p.add_argument_group("online regeneration (--online --regen)"))
+    p.set_defaults(func=cmd_train)
+
+
+def _add_source(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", metavar="DIR", help="a datagen directory (offline training)")
     src.add_argument("--prompts", metavar="FILE", nargs="+",
@@ -560,7 +568,9 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, metavar="CKPT", help="checkpoint directory (created)")
     p.add_argument("--resume", action="store_true", help="continue the unfinished run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g = p.add_argument_group("schedule")
+
+
+def _add_schedule(g) -> None:
     g.add_argument("--epochs", type=cli_args.positive_int, help="passes over the training split (default 1)")
     g.add_argument("--steps", type=cli_args.positive_int, help="optimizer steps in all (overrides --epochs)")
     g.add_argument("--batch-tokens", type=cli_args.positive_int, help="padded tokens per micro-batch (default 8192)")
@@ -586,7 +596,9 @@ def register(sub) -> None:
     g.add_argument("--budget-from", choices=["setup", "first-step"],
                    help="where --time-budget-s starts: setup (default: loading counts) or first-step (after the "
                         "first optimizer step, compilation included, as the peers' harness times trainers)")
-    g = p.add_argument_group("draft and loss")
+
+
+def _add_draft(g) -> None:
     g.add_argument("--ttt-steps", type=cli_args.positive_int, help="training-time-test steps K (default 7)")
     g.add_argument("--ttt-decay", type=cli_args.fraction, help="loss weight decay**k of TTT step k, in (0, 1] "
                    "(default 0.8)")
@@ -600,7 +612,9 @@ def register(sub) -> None:
     cli_args.add_taps(g, help="canonical taps (default: the data's; online 2,N//2,N-3)")
     g.add_argument("--init-from", metavar="CKPT",
                    help="fine-tune this native draft (its weights, vocabulary and shape) instead of a new one")
-    g = p.add_argument_group("evaluation, checkpoints, logging")
+
+
+def _add_evaluation(g) -> None:
     g.add_argument("--eval-fraction", type=cli_args.ratio, help="held-out share of the samples, in [0, 1), 0 = no "
                    "evaluation (default 0.05), chosen by a seeded hash of each sample's tokens: on grown data the "
                    "same samples stay held out")
@@ -609,15 +623,18 @@ def register(sub) -> None:
                    help="steps between resume states, 0 = none (default: 10 per run)")
     g.add_argument("--log-every", type=cli_args.positive_int, help="steps between log lines (default 10)")
     g.add_argument("--seed", type=cli_args.nonneg_int, help="initialisation, split and batch order (default 0)")
-    g = p.add_argument_group("devices")
+
+
+def _add_devices(g) -> None:
     cli_args.add_device(g, help="cuda, cuda:1, cpu (default: cuda if available; LOCAL_RANK under torchrun)")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="auto: bf16 autocast on CUDA, fp32 on CPU")
     g.add_argument("--fsdp", action="store_true", default=None, help="shard the draft with FSDP2 (torchrun)")
     g.add_argument("--num-workers", type=cli_args.nonneg_int,
                    help="data-loading workers, 0 = load in the training process (default 4 on CUDA, 0 on CPU)")
-    g = p.add_argument_group("online regeneration (--online --regen)")
+
+
+def _add_regen(g) -> None:
     g.add_argument("--regen", action="store_true", default=None, help="the target rewrites the assistant turns first")
     g.add_argument("--regen-max-new-tokens", type=cli_args.positive_int, help="per reply (default 512)")
     g.add_argument("--regen-temperature", type=cli_args.nonneg_float, help="0 = greedy (default)")
     g.add_argument("--regen-batch-size", type=cli_args.positive_int, help="prompts per generate call (default 32)")
-    p.set_defaults(func=cmd_train)
