@@ -44,7 +44,7 @@ def test_mfu_of_several_gpus_is_per_gpu(capsys):
     from types import SimpleNamespace
 
     from eaglewire.train import metrics
-    from eaglewire.train.trainer import _Run
+    from eaglewire.train.trainer import Trainer as _Run
     run = SimpleNamespace(device=torch.device("cuda"), flops=1.24e9, dist=SimpleNamespace(world=2))
     mfu = _Run._mfu(run, 182431.0)
     assert abs(mfu - 0.1144) < 1e-3

@@ -23,7 +23,7 @@ from eaglewire.errors import EaglewireError, UsageError
 from eaglewire.train import data as train_data
 from eaglewire.train import metrics
 from eaglewire.train.config import BudgetClock, TrainConfig, lr_at
-from eaglewire.train.trainer import _Run, train
+from eaglewire.train.trainer import Trainer as _Run, train
 from eaglewire.train.ttt import TTTModel, TTTSpec, soft_cross_entropy, target_side
 
 # Fast settings: 40 conversations of ~40-70 character tokens, 8 held out.

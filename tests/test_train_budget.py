@@ -10,7 +10,7 @@ from eaglewire import targets
 from eaglewire.data.datagen import run_datagen
 from eaglewire.errors import UsageError
 from eaglewire.train.config import TrainConfig
-from eaglewire.train.trainer import _Run, train
+from eaglewire.train.trainer import Trainer as _Run, train
 
 FAST = dict(batch_tokens=512, log_every=1, eval_fraction=0.2, max_len=256, lr=3e-3, eval_every=100)
 FIRST_STEP_S = 3.0  # a slow first step, as a compiled one is

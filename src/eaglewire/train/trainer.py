@@ -8,6 +8,10 @@ One step = grad_accum micro-batches on each of the world's ranks; micro-batches 
 and hold <= batch_tokens padded tokens (or batch_size samples). The plan of every epoch is a pure
 function of (seed, epoch, data), so a resumed or multi-rank run trains on exactly the batches an
 uninterrupted single-process run would. See ttt.py for the loss and metrics.py for the metrics.
+
+Read in order: `set_up` builds what training needs (a `Setup`: target, data and split, draft, optimizers,
+batch plan); a `Trainer` runs the loop over it (steps, log lines, evaluations, resume states, the finished
+draft); `train` joins the two; `register` is the command line.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, parallel, prompts, targets
+from .. import checkpoint, cli_args, parallel, prompts, targets
 from ..capture import capture, locate
 from ..data import shards
 from ..decode.decoder import check_pair
@@ -70,49 +74,146 @@ def optimizers(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -
     return [muon, adamw]
 
 
-class _Run:
-    def __init__(self, cfg: TrainConfig, target, data, out: Path, resume: bool, progress: bool, dist: Dist,
-                 t_start: float):
-        self.cfg, self.out, self.progress, self.dist = cfg, out, progress, dist
-        self.t_start = t_start  # the time budget counts setup (loading, regeneration) too
-        self.device = self.dist.device
-        self.status = train_state.out_status(out, resume)
-        self.dist.barrier()  # every rank has looked at --out before rank 0 writes there
-        if self.status == "done":
-            return  # run() only reports the finished draft: no model, no loop state
-        self.autocast = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
-        self.target = target if isinstance(target, targets.Target) else targets.load_target(target, device=self.device)
-        self.stack = locate(self.target.model)
-        self.head = self.stack.lm_head
-        if self.head is None:
-            raise EaglewireError(f"--target {self.target.spec}: no lm_head found: the distillation target needs it")
-        self.corpus = self._corpus(data)
-        self.contract = self.corpus.contract
-        self.train_idx, self.eval_idx = train_data.split(self.corpus.keys, cfg.eval_fraction, cfg.seed)
-        self.draft = self._draft()
-        self.draft_ids = draft_ids(self.draft.d2t)  # each draft id's target id, on the device
-        self.spec = TTTSpec(cfg.ttt_steps, cfg.ttt_decay, cfg.loss)
-        self.inner = TTTModel(self.draft, self.spec)
-        self.model = parallel.wrap(self.inner, self.dist, cfg.fsdp)
-        self.params = [p for p in self.inner.parameters() if p.requires_grad]
-        self.optims = optimizers(self.inner, cfg, self.device)
-        self.schedule = train_data.Schedule(self.train_idx, self.corpus.lengths, cfg.seed, cfg.batch_tokens,
-                                            cfg.batch_size, cfg.grad_accum * self.dist.world)
-        self.total = self.schedule.total_steps(cfg.epochs, cfg.steps)
-        self.horizon = self.total  # where the cosine ends: moved to the clock's end under a time budget
-        self.ckpt_every = max(1, self.total // 10) if cfg.ckpt_every is None else cfg.ckpt_every
-        mean_len = sum(self.corpus.lengths) / len(self.corpus)
-        self.flops = flops_per_token(self.draft.config, self.target.model, cfg.ttt_steps, mean_len,
-                                     self.corpus.mode == "online")
+# ---- set-up: what training needs, built once before the loop ------------------------------------
 
-        # The loop's state, all of it here; a resumed run starts where the saved one stopped (and its horizon).
-        self.start, acc = self.load() if self.status == "resume" else (0, None)
+@dataclass
+class Setup:
+    """The target, the data and its split, the draft wrapped for training-time test (and DDP/FSDP), its
+    optimizers and the batch plan: what the loop trains with, none of it changed by the loop."""
+    target: targets.Target
+    stack: object  # the target's located layers: its embedding, final norm and lm_head
+    corpus: train_data.Corpus
+    train_idx: list[int]
+    eval_idx: list[int]
+    draft: Eagle3Draft
+    draft_ids: torch.Tensor  # each draft id's target id, on the device
+    inner: TTTModel  # the draft under training-time test, unwrapped: evaluation and saving use it
+    model: torch.nn.Module  # the same, wrapped for DDP/FSDP: training steps use it
+    params: list[torch.nn.Parameter]
+    optims: list[torch.optim.Optimizer]
+    schedule: train_data.Schedule
+    total: int  # planned optimizer steps
+    flops: float  # per trained token, for the MFU
+
+    @property
+    def contract(self) -> TapContract:
+        return self.corpus.contract
+
+
+def set_up(cfg: TrainConfig, target, data, dist: Dist, progress: bool) -> Setup:
+    """Load the target, open or build the corpus, split it, make the draft and its optimizers. The order is
+    the seeds' order: the draft is initialised from cfg.seed, and the wrapper exists before the optimizers
+    take its parameters (FSDP replaces them)."""
+    device = dist.device
+    target = target if isinstance(target, targets.Target) else targets.load_target(target, device=device)
+    stack = locate(target.model)
+    if stack.lm_head is None:
+        raise EaglewireError(f"--target {target.spec}: no lm_head found: the distillation target needs it")
+    corpus = _corpus(cfg, target, data, dist, progress)
+    train_idx, eval_idx = train_data.split(corpus.keys, cfg.eval_fraction, cfg.seed)
+    draft = _initial_draft(cfg, target, corpus.contract) if cfg.init_from else _new_draft(cfg, target, stack, corpus)
+    draft = draft.to(device)
+    ids = draft_ids(draft.d2t)
+    inner = TTTModel(draft, TTTSpec(cfg.ttt_steps, cfg.ttt_decay, cfg.loss))
+    model = parallel.wrap(inner, dist, cfg.fsdp)
+    params = [p for p in inner.parameters() if p.requires_grad]
+    optims = optimizers(inner, cfg, device)
+    schedule = train_data.Schedule(train_idx, corpus.lengths, cfg.seed, cfg.batch_tokens, cfg.batch_size,
+                                   cfg.grad_accum * dist.world)
+    total = schedule.total_steps(cfg.epochs, cfg.steps)
+    mean_len = sum(corpus.lengths) / len(corpus)
+    flops = flops_per_token(draft.config, target.model, cfg.ttt_steps, mean_len, corpus.mode == "online")
+    return Setup(target, stack, corpus, train_idx, eval_idx, draft, ids, inner, model, params, optims, schedule,
+                 total, flops)
+
+
+def _corpus(cfg: TrainConfig, target, data, dist: Dist, progress: bool) -> train_data.Corpus:
+    n = target.num_layers
+    want = TapContract(n, cfg.taps) if cfg.taps is not None else None
+    if isinstance(data, (str, Path)) and Path(data).is_dir():
+        if want is not None:
+            found = TapContract.from_dict(shards.read_manifest(data)["contract"])
+            if found != want:
+                raise UsageError(f"--taps {list(want.taps)} differ from the taps {list(found.taps)} of --data "
+                                 f"{data} (manifest.json 'contract'): train with the data's taps, or run datagen "
+                                 "again with --taps")
+        return train_data.open_offline(data, target.fingerprint, want, cfg.max_len)
+    if want is None and cfg.init_from:  # online fine-tuning captures the draft's taps (offline data has its own)
+        draft_taps = checkpoint.load_meta(cfg.init_from).contract
+        want = draft_taps if draft_taps.num_layers == n else None  # another target: check_pair says so
+    contract = want or TapContract.default(n)
+    return train_data.build_online(target, data, contract, cfg.max_len, cfg.gen(), dist, progress)
+
+
+def _initial_draft(cfg: TrainConfig, target, contract: TapContract) -> Eagle3Draft:
+    """Fine-tuning: the checkpoint's weights, vocabulary and shape; it must fit this target and these taps."""
+    where = f"--init-from {cfg.init_from}"
+    draft, meta = checkpoint.load_draft(cfg.init_from, dtype=torch.float32)  # fp32 master weights
+    for line in check_pair(target, draft, meta):  # a fine-tuned target may differ in weights: say so
+        print(f"eaglewire train: warning: {line}", file=sys.stderr)
+    if meta.contract != contract:
+        raise UsageError(f"{where}: the draft reads taps {list(meta.contract.taps)}, the training data "
+                         f"{list(contract.taps)}: fine-tune on data with the draft's taps or train a new "
+                         "draft")
+    c, vocab = draft.config, target.config.vocab_size
+    for name, asked, has in (("draft_vocab_size", cfg.draft_vocab_size and min(cfg.draft_vocab_size, vocab),
+                              c.draft_vocab_size), ("draft_layers", cfg.draft_layers, c.num_layers)):
+        layers = name == "draft_layers"
+        if asked is not None and asked != has and not (layers and asked > has):  # more layers: deepened below
+            raise UsageError(f"{where}: its {name} is {has}, --{name.replace('_', '-')} asks for {asked}: "
+                             "a fine-tuned draft keeps its shape (drop the flag"
+                             + ("; --draft-layers may add layers, not remove them)" if layers else ")"))
+    if cfg.draft_overrides:
+        raise UsageError(f"{where}: --draft-config does not apply to a fine-tuned draft (it keeps its shape)")
+    if cfg.max_len + cfg.ttt_steps > c.max_position_embeddings:
+        raise UsageError(f"{where}: draft.max_position_embeddings is {c.max_position_embeddings}, below --max-len "
+                         f"{cfg.max_len} + --ttt-steps {cfg.ttt_steps}: lower --max-len")
+    if cfg.draft_layers and cfg.draft_layers > c.num_layers:
+        print(f"eaglewire train: deepening the draft from {c.num_layers} to {cfg.draft_layers} layers: the new "
+              "ones start as the identity, so it begins where the checkpoint left off", file=sys.stderr)
+        draft = draft.deepened(cfg.draft_layers)
+    return draft.train()
+
+
+def _new_draft(cfg: TrainConfig, target, stack, corpus: train_data.Corpus) -> Eagle3Draft:
+    tc = target.config
+    V = tc.vocab_size
+    size = min(cfg.draft_vocab_size or 32000, V)
+    always = targets.eos_ids(target)  # the draft must be able to end a reply
+    d2t, t2d = select_draft_vocab(dict(corpus.token_freqs), size, always=always, vocab_size=V)
+    over = {"num_layers": cfg.draft_layers or 1, **(cfg.draft_overrides or {})}
+    over.setdefault("max_position_embeddings", max(getattr(tc, "max_position_embeddings", 0) or 0,
+                                                   cfg.max_len + cfg.ttt_steps))
+    dcfg = DraftConfig.for_target(target.model.config, len(corpus.contract.taps), size, **over)
+    torch.manual_seed(cfg.seed)
+    draft = Eagle3Draft(dcfg)
+    if dcfg.hidden_size == dcfg.target_hidden_size:
+        draft.load_target_embedding(stack.embed.weight.detach().float().cpu())
+    draft.set_vocab(d2t, t2d)
+    return draft
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+class Trainer:
+    """The loop over a Setup: optimizer steps, log lines, evaluations, resume states, the finished draft.
+    All its state is made in __init__; a resumed run starts where the saved one stopped."""
+
+    def __init__(self, s: Setup, cfg: TrainConfig, out: Path, status: str, progress: bool, dist: Dist,
+                 t_start: float):
+        self.s, self.cfg, self.out, self.status, self.progress, self.dist = s, cfg, out, status, progress, dist
+        self.t_start = t_start  # the time budget counts setup (loading, regeneration) too
+        self.device, self.flops = dist.device, s.flops
+        self.autocast = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
+        self.horizon = s.total  # where the cosine ends: moved to the clock's end under a time budget
+        self.ckpt_every = max(1, s.total // 10) if cfg.ckpt_every is None else cfg.ckpt_every
+        self.start, acc = self.load() if status == "resume" else (0, None)  # load() restores the horizon too
         self.acc = acc or self._fresh_acc()  # counts since the last log line, summed on the device
         self.log = None  # the JSONL log (rank 0 only)
-        if self.dist.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.log = metrics.JsonlLog(self.out / train_state.LOG, self.start if self.status == "resume" else None)
-        self.dist.barrier()
+        if dist.main:
+            out.mkdir(parents=True, exist_ok=True)
+            self.log = metrics.JsonlLog(out / train_state.LOG, self.start if status == "resume" else None)
+        dist.barrier()
         self.bad = torch.zeros((), dtype=torch.bool, device=self.device)  # a non-finite value seen; no host sync
         self.norm = torch.zeros((), device=self.device)  # the last step's gradient norm, on the device
         self.tick = t_start  # the last log line's time (reset as the loop starts)
@@ -122,193 +223,51 @@ class _Run:
         self.clock = BudgetClock(cfg.time_budget_s, t_start, self.start)  # training seconds; the budget's horizon
         self.tokens_run = 0  # tokens this run trained on, all ranks'
 
-    # -- setup ---------------------------------------------------------------------------------
-    def _corpus(self, data) -> train_data.Corpus:
-        cfg, n = self.cfg, self.target.num_layers
-        want = TapContract(n, cfg.taps) if cfg.taps is not None else None
-        if isinstance(data, (str, Path)) and Path(data).is_dir():
-            if want is not None:
-                found = TapContract.from_dict(shards.read_manifest(data)["contract"])
-                if found != want:
-                    raise UsageError(f"--taps {list(want.taps)} differ from the taps {list(found.taps)} of --data "
-                                     f"{data} (manifest.json 'contract'): train with the data's taps, or run datagen "
-                                     "again with --taps")
-            return train_data.open_offline(data, self.target.fingerprint, want, cfg.max_len)
-        if want is None and cfg.init_from:  # online fine-tuning captures the draft's taps (offline data has its own)
-            draft_taps = checkpoint.load_meta(cfg.init_from).contract
-            want = draft_taps if draft_taps.num_layers == n else None  # another target: check_pair says so
-        contract = want or TapContract.default(n)
-        return train_data.build_online(self.target, data, contract, cfg.max_len, cfg.gen(), self.dist, self.progress)
-
-    def _draft(self) -> Eagle3Draft:
-        draft = self._initial_draft() if self.cfg.init_from else self._new_draft()
-        return draft.to(self.device)
-
-    def _initial_draft(self) -> Eagle3Draft:
-        """Fine-tuning: the checkpoint's weights, vocabulary and shape; it must fit this target and these taps."""
-        cfg, where = self.cfg, f"--init-from {self.cfg.init_from}"
-        draft, meta = checkpoint.load_draft(cfg.init_from, dtype=torch.float32)  # fp32 master weights
-        for line in check_pair(self.target, draft, meta):  # a fine-tuned target may differ in weights: say so
-            print(f"eaglewire train: warning: {line}", file=sys.stderr)
-        if meta.contract != self.contract:
-            raise UsageError(f"{where}: the draft reads taps {list(meta.contract.taps)}, the training data "
-                             f"{list(self.contract.taps)}: fine-tune on data with the draft's taps or train a new "
-                             "draft")
-        c, vocab = draft.config, self.target.config.vocab_size
-        for name, asked, has in (("draft_vocab_size", cfg.draft_vocab_size and min(cfg.draft_vocab_size, vocab),
-                                  c.draft_vocab_size), ("draft_layers", cfg.draft_layers, c.num_layers)):
-            layers = name == "draft_layers"
-            if asked is not None and asked != has and not (layers and asked > has):  # more layers: deepened below
-                raise UsageError(f"{where}: its {name} is {has}, --{name.replace('_', '-')} asks for {asked}: "
-                                 "a fine-tuned draft keeps its shape (drop the flag"
-                                 + ("; --draft-layers may add layers, not remove them)" if layers else ")"))
-        if cfg.draft_overrides:
-            raise UsageError(f"{where}: --draft-config does not apply to a fine-tuned draft (it keeps its shape)")
-        if cfg.max_len + cfg.ttt_steps > c.max_position_embeddings:
-            raise UsageError(f"{where}: draft.max_position_embeddings is {c.max_position_embeddings}, below --max-len "
-                             f"{cfg.max_len} + --ttt-steps {cfg.ttt_steps}: lower --max-len")
-        if cfg.draft_layers and cfg.draft_layers > c.num_layers:
-            print(f"eaglewire train: deepening the draft from {c.num_layers} to {cfg.draft_layers} layers: the new "
-                  "ones start as the identity, so it begins where the checkpoint left off", file=sys.stderr)
-            draft = draft.deepened(cfg.draft_layers)
-        return draft.train()
-
-    def _new_draft(self) -> Eagle3Draft:
-        cfg, tc = self.cfg, self.target.config
-        V = tc.vocab_size
-        size = min(cfg.draft_vocab_size or 32000, V)
-        always = targets.eos_ids(self.target)  # the draft must be able to end a reply
-        d2t, t2d = select_draft_vocab(dict(self.corpus.token_freqs), size, always=always, vocab_size=V)
-        over = {"num_layers": cfg.draft_layers or 1, **(cfg.draft_overrides or {})}
-        over.setdefault("max_position_embeddings", max(getattr(tc, "max_position_embeddings", 0) or 0,
-                                                       cfg.max_len + cfg.ttt_steps))
-        dcfg = DraftConfig.for_target(self.target.model.config, len(self.contract.taps), size, **over)
-        torch.manual_seed(cfg.seed)
-        draft = Eagle3Draft(dcfg)
-        if dcfg.hidden_size == dcfg.target_hidden_size:
-            draft.load_target_embedding(self.stack.embed.weight.detach().float().cpu())
-        draft.set_vocab(d2t, t2d)
-        return draft
-
-    # -- one micro-batch -----------------------------------------------------------------------
-    def _inputs(self, batch: dict) -> dict:
-        nb = self.device.type == "cuda"
-        ids = batch["input_ids"].to(self.device, non_blocking=nb)
-        if self.corpus.mode == "online":
-            am = batch["attention_mask"].to(self.device, non_blocking=nb)
-            cap = capture(self.target.model, ids, self.contract, attention_mask=am, final_norm=True, stack=self.stack)
-            taps, fh = cap.taps, cap.final_hidden
-            self.bad |= ~(torch.isfinite(taps).all() & torch.isfinite(fh).all())  # no host sync here
-        else:
-            taps = batch["taps"].to(self.device, non_blocking=nb)
-            fh = batch["final_hidden"].to(self.device, non_blocking=nb)
-        if not self.autocast:
-            taps = taps.float()
-        p, top, in_vocab = target_side(self.head, fh, self.draft.t2d, self.draft_ids, self.cfg.ttt_steps + 1)
-        return {"input_ids": ids, "loss_mask": batch["loss_mask"].to(self.device, non_blocking=nb), "taps": taps,
-                "target_p": p, "target_top": top, "in_vocab": in_vocab}
-
-    def _amp(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
-
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        c = self.cfg
-        batches = train_data.group(self.eval_idx, self.corpus.lengths, c.batch_tokens, c.batch_size)
-        counts = metrics.zeros(c.ttt_steps, self.device)
-        if batches:
-            w = self.dist.world
-            per = -(-len(batches) // w)  # equal forwards on every rank (FSDP all-gathers inside them)
-            mine = [(batches[i] if i < len(batches) else batches[0], i < len(batches))
-                    for i in range(self.dist.rank, per * w, w)]
-            self.inner.eval()
-            it = train_data.loader(self.corpus, [mb for mb, _ in mine], 0, False)
-            for (_, real), batch in zip(mine, it):
-                with self._amp():
-                    _, cnt = self.inner(**self._inputs(batch), denom=1.0)
-                counts += cnt if real else 0 * cnt
-            self.inner.train()
-        return metrics.summarize(self.dist.all_sum(counts))
-
-    # -- state ---------------------------------------------------------------------------------
-    def _identity(self) -> dict:
-        """What a resumed run must share with the one that saved the state (not where or how often it logs)."""
-        config = {k: v for k, v in self.cfg.to_dict().items() if k not in RUNTIME_FIELDS}
-        return {"config": config, "data": self.corpus.data_hash or self.corpus.provenance,
-                "target": self.target.fingerprint, "world": self.dist.world, "split": train_data.SPLIT_RULE}
-
-    def save(self, step: int, acc: dict) -> None:
-        model_sd, optim_sd = parallel.full_state(self.inner, self.optims)  # a collective under FSDP: all ranks call
-        if self.dist.main:
-            meta = {"step": step, "identity": self._identity(), "acc_denom": acc["denom"],
-                    "acc_tokens": acc["tokens"], "total_steps": self.total,
-                    "next_lr": lr_at(self.cfg, step, self.total, self.horizon), "horizon": self.horizon,
-                    "data_position": "the next step's micro-batches follow from (seed, step): epoch plans are pure"}
-            rng = {**train_state.rng_state(self.device), "acc_counts": acc["counts"].cpu()}
-            train_state.save_state(self.out, model_sd, optim_sd, rng, meta)
-        self.dist.barrier()
-
-    def load(self) -> tuple[int, dict]:
-        model_sd, optim_sd, rng, meta = train_state.load_state(self.out)
-        want, found = self._identity(), meta["identity"]
-        # a state saved before a field existed ran with that field's default
-        found["config"] = {**{k: v for k, v in TrainConfig().to_dict().items() if k in want["config"]},
-                           **found.get("config", {})}
-        diffs = [k for k in want if json.dumps(want[k], sort_keys=True) != json.dumps(found.get(k), sort_keys=True)]
-        if diffs:
-            detail = [f"config.{f}" for f in want["config"] if want["config"][f] != found["config"].get(f)] \
-                + [k if k != "split" else "split (an older eaglewire held other samples out)" for k in diffs
-                   if k != "config"]
-            raise UsageError(f"--out {self.out}: the unfinished run there differs in {', '.join(detail)}; resume "
-                             "with the same target, data and settings, or choose another --out")
-        parallel.load_full_state(self.inner, self.optims, model_sd, optim_sd)
-        train_state.set_rng_state(rng, self.device)
-        acc = {"counts": rng["acc_counts"].to(self.device), "denom": meta["acc_denom"], "tokens": meta["acc_tokens"]}
-        self.horizon = int(meta.get("horizon", self.total))
-        return int(meta["step"]), acc
-
-    # -- the loop ------------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        if self.status == "done":
-            meta = checkpoint.load_meta(self.out)
-            print(f"eaglewire train: {self.out} already holds the finished draft", file=sys.stderr)
-            return TrainResult(self.out, meta.metrics or {})
         from tqdm import tqdm
 
         cfg, start = self.cfg, self.start
-        bar = tqdm(total=self.total, initial=start, unit="step", desc="train", file=sys.stderr,
+        bar = tqdm(total=self.s.total, initial=start, unit="step", desc="train", file=sys.stderr,
                    disable=not (self.progress and self.dist.main), dynamic_ncols=True)
         self.tick = time.perf_counter()
         self.t_setup = self.tick - self.t_start
         done, stopped = start, None
-        self.inner.train()
-        workers = cfg.num_workers if cfg.num_workers is not None else (4 if self.device.type == "cuda" else 0)
-        steps = train_data.rank_batches(self.corpus, self.schedule.steps(start, self.total), self.dist.rank,
-                                        cfg.grad_accum, workers, pin_memory=self.device.type == "cuda")
-        for step, epoch, group, batches in steps:
+        self.s.inner.train()
+        for step, epoch, group, batches in self._batches():
             self._step(step, group, batches, self.acc)
             bar.update(1)
             done = step + 1
             if done == start + 1 and cfg.budget_from == "first-step":
                 self._start_budget()
-            if done % cfg.log_every == 0 or done == self.total:
+            if done % cfg.log_every == 0 or done == self.s.total:
                 stopped = self._log(done, epoch, self.acc, bar)
                 self.acc = self._fresh_acc()
-            if done == self.total or stopped:
+            if done == self.s.total or stopped:
                 break
-            t, paused = time.perf_counter(), False
-            if self._eval_due(done):
-                self._log_eval(done)
-                self.evaluated_at, paused = done, True
-            if self.ckpt_every and done % self.ckpt_every == 0:
-                self.save(done, self.acc)
-                paused = True
-            if paused:
-                spent = time.perf_counter() - t
-                self.t_other += spent
-                self.clock.paused(done, spent)
+            self._evaluate_and_save(done)
         bar.close()
         return self._finish(done, stopped)
+
+    def _batches(self):
+        """(step, epoch, all ranks' micro-batches, this rank's collated batches) from the start to the plan's end."""
+        cfg = self.cfg
+        workers = cfg.num_workers if cfg.num_workers is not None else (4 if self.device.type == "cuda" else 0)
+        return train_data.rank_batches(self.s.corpus, self.s.schedule.steps(self.start, self.s.total),
+                                       self.dist.rank, cfg.grad_accum, workers, pin_memory=self.device.type == "cuda")
+
+    def _evaluate_and_save(self, done: int) -> None:
+        """The evaluation and resume state due after step `done`; their seconds are kept off the training clock."""
+        t, paused = time.perf_counter(), False
+        if self._eval_due(done):
+            self._log_eval(done)
+            self.evaluated_at, paused = done, True
+        if self.ckpt_every and done % self.ckpt_every == 0:
+            self.save(done, self.acc)
+            paused = True
+        if paused:
+            spent = time.perf_counter() - t
+            self.t_other += spent
+            self.clock.paused(done, spent)
 
     def _start_budget(self) -> None:
         """The budget starts now, after this process's first step (its compilation included)."""
@@ -327,30 +286,53 @@ class _Run:
     def _fresh_acc(self) -> dict:
         return {"counts": metrics.zeros(self.cfg.ttt_steps, self.device), "denom": 0, "tokens": 0}
 
+    # -- one step ------------------------------------------------------------------------------
     def _step(self, step: int, group: list[list[int]], batches: list[dict], acc: dict) -> None:
         """One optimizer step over this rank's micro-batches; no host sync."""
-        cfg = self.cfg
-        denom = max(1, sum(self.corpus.loss_tokens[i] for mb in group for i in mb))  # all ranks' micro-batches
+        cfg, s = self.cfg, self.s
+        denom = max(1, sum(s.corpus.loss_tokens[i] for mb in group for i in mb))  # all ranks' micro-batches
         for j, batch in enumerate(batches):
             inputs = self._inputs(batch)
-            with parallel.grad_sync(self.model, self.dist, cfg.fsdp, j == len(batches) - 1):
+            with parallel.grad_sync(s.model, self.dist, cfg.fsdp, j == len(batches) - 1):
                 with self._amp():
-                    loss, cnt = self.model(**inputs, denom=denom / self.dist.world)  # ranks' grads are averaged
+                    loss, cnt = s.model(**inputs, denom=denom / self.dist.world)  # ranks' grads are averaged
                 loss.backward()
             acc["counts"] += cnt
-        norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.clip_grad if cfg.clip_grad > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(s.params, cfg.clip_grad if cfg.clip_grad > 0 else float("inf"))
         self.norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
         self.bad |= ~torch.isfinite(self.norm)
-        for o in self.optims:
+        for o in s.optims:
             for g in o.param_groups:
-                g["lr"] = lr_at(cfg, step, self.total, self.horizon)
+                g["lr"] = lr_at(cfg, step, s.total, self.horizon)
             o.step()
             o.zero_grad(set_to_none=True)
-        tokens = sum(self.corpus.lengths[i] for mb in group for i in mb)
+        tokens = sum(s.corpus.lengths[i] for mb in group for i in mb)
         acc["denom"] += denom
         acc["tokens"] += tokens
         self.tokens_run += tokens
 
+    def _inputs(self, batch: dict) -> dict:
+        """One micro-batch on the device, with the target's side of the loss (its taps, probabilities, top ids)."""
+        s, nb = self.s, self.device.type == "cuda"
+        ids = batch["input_ids"].to(self.device, non_blocking=nb)
+        if s.corpus.mode == "online":
+            am = batch["attention_mask"].to(self.device, non_blocking=nb)
+            cap = capture(s.target.model, ids, s.contract, attention_mask=am, final_norm=True, stack=s.stack)
+            taps, fh = cap.taps, cap.final_hidden
+            self.bad |= ~(torch.isfinite(taps).all() & torch.isfinite(fh).all())  # no host sync here
+        else:
+            taps = batch["taps"].to(self.device, non_blocking=nb)
+            fh = batch["final_hidden"].to(self.device, non_blocking=nb)
+        if not self.autocast:
+            taps = taps.float()
+        p, top, in_vocab = target_side(s.stack.lm_head, fh, s.draft.t2d, s.draft_ids, self.cfg.ttt_steps + 1)
+        return {"input_ids": ids, "loss_mask": batch["loss_mask"].to(self.device, non_blocking=nb), "taps": taps,
+                "target_p": p, "target_top": top, "in_vocab": in_vocab}
+
+    def _amp(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
+
+    # -- logging and evaluation ----------------------------------------------------------------
     def _log(self, done, epoch, acc, bar) -> str | None:
         """One JSONL training record (the loop's only host sync); returns why training stops, if it does."""
         cfg = self.cfg
@@ -364,9 +346,9 @@ class _Run:
         self.tick, self.t_other = now, 0.0
         loss = sum(cfg.ttt_decay ** k * float(c[k, 0]) for k in range(cfg.ttt_steps)) / max(1, acc["denom"])
         tps = acc["tokens"] / seconds
-        rec = {"kind": "train", "step": done, "epoch": epoch, "lr": lr_at(cfg, done - 1, self.total, self.horizon), "loss": loss,
-               "loss_k": s["loss"], "acc": s["acc"], "grad_norm": float(self.norm), "tokens": acc["tokens"],
-               "tokens_per_s": tps, "mfu": self._mfu(tps), "elapsed_s": now - self.t_start}
+        rec = {"kind": "train", "step": done, "epoch": epoch, "lr": lr_at(cfg, done - 1, self.s.total, self.horizon),
+               "loss": loss, "loss_k": s["loss"], "acc": s["acc"], "grad_norm": float(self.norm),
+               "tokens": acc["tokens"], "tokens_per_s": tps, "mfu": self._mfu(tps), "elapsed_s": now - self.t_start}
         if self.dist.main:
             self.log.write(rec)
         bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{(s['acc'][0] or 0):.3f}", tok_s=f"{tps:.0f}", refresh=False)
@@ -376,7 +358,7 @@ class _Run:
         if cfg.time_budget_s is not None:
             late = torch.tensor([float(now - self.clock.started > cfg.time_budget_s)], device=self.device)
             if float(self.dist.all_sum(late)) > 0:
-                return f"time budget of {cfg.time_budget_s:g} s reached at step {done} of {self.total}"
+                return f"time budget of {cfg.time_budget_s:g} s reached at step {done} of {self.s.total}"
             self._move_horizon(done, now)
         return None
 
@@ -384,7 +366,7 @@ class _Run:
         """Under a time budget, end the cosine at the step the clock will stop training at (BudgetClock), so a
         budget-stopped draft is annealed. Rank 0 decides: every rank must use the same learning rate."""
         est = self.clock.horizon(done, now) if self.dist.main else None
-        h = torch.tensor([float(min(self.total, max(done, est))) if est is not None else 0.0], device=self.device)
+        h = torch.tensor([float(min(self.s.total, max(done, est))) if est is not None else 0.0], device=self.device)
         h = int(float(self.dist.all_sum(h)))
         if h > 0:  # 0: no rate yet (the first interval), the plan stands
             self.horizon = h
@@ -400,36 +382,101 @@ class _Run:
             self.log.write({"kind": "eval", "step": done, **s, "elapsed_s": time.perf_counter() - self.t_start})
         return s
 
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        c, inner = self.cfg, self.s.inner
+        batches = train_data.group(self.s.eval_idx, self.s.corpus.lengths, c.batch_tokens, c.batch_size)
+        counts = metrics.zeros(c.ttt_steps, self.device)
+        if batches:
+            w = self.dist.world
+            per = -(-len(batches) // w)  # equal forwards on every rank (FSDP all-gathers inside them)
+            mine = [(batches[i] if i < len(batches) else batches[0], i < len(batches))
+                    for i in range(self.dist.rank, per * w, w)]
+            inner.eval()
+            it = train_data.loader(self.s.corpus, [mb for mb, _ in mine], 0, False)
+            for (_, real), batch in zip(mine, it):
+                with self._amp():
+                    _, cnt = inner(**self._inputs(batch), denom=1.0)
+                counts += cnt if real else 0 * cnt
+            inner.train()
+        return metrics.summarize(self.dist.all_sum(counts))
+
+    # -- resume state --------------------------------------------------------------------------
+    def _identity(self) -> dict:
+        """What a resumed run must share with the one that saved the state (not where or how often it logs)."""
+        config = {k: v for k, v in self.cfg.to_dict().items() if k not in RUNTIME_FIELDS}
+        return {"config": config, "data": self.s.corpus.data_hash or self.s.corpus.provenance,
+                "target": self.s.target.fingerprint, "world": self.dist.world, "split": train_data.SPLIT_RULE}
+
+    def save(self, step: int, acc: dict) -> None:
+        model_sd, optim_sd = parallel.full_state(self.s.inner, self.s.optims)  # a collective under FSDP: all call
+        if self.dist.main:
+            total = self.s.total
+            meta = {"step": step, "identity": self._identity(), "acc_denom": acc["denom"],
+                    "acc_tokens": acc["tokens"], "total_steps": total,
+                    "next_lr": lr_at(self.cfg, step, total, self.horizon), "horizon": self.horizon,
+                    "data_position": "the next step's micro-batches follow from (seed, step): epoch plans are pure"}
+            rng = {**train_state.rng_state(self.device), "acc_counts": acc["counts"].cpu()}
+            train_state.save_state(self.out, model_sd, optim_sd, rng, meta)
+        self.dist.barrier()
+
+    def load(self) -> tuple[int, dict]:
+        model_sd, optim_sd, rng, meta = train_state.load_state(self.out)
+        want, found = self._identity(), meta["identity"]
+        # a state saved before a field existed ran with that field's default
+        found["config"] = {**{k: v for k, v in TrainConfig().to_dict().items() if k in want["config"]},
+                           **found.get("config", {})}
+        diffs = [k for k in want if json.dumps(want[k], sort_keys=True) != json.dumps(found.get(k), sort_keys=True)]
+        if diffs:
+            detail = [f"config.{f}" for f in want["config"] if want["config"][f] != found["config"].get(f)] \
+                + [k if k != "split" else "split (an older eaglewire held other samples out)" for k in diffs
+                   if k != "config"]
+            raise UsageError(f"--out {self.out}: the unfinished run there differs in {', '.join(detail)}; resume "
+                             "with the same target, data and settings, or choose another --out")
+        parallel.load_full_state(self.s.inner, self.s.optims, model_sd, optim_sd)
+        train_state.set_rng_state(rng, self.device)
+        acc = {"counts": rng["acc_counts"].to(self.device), "denom": meta["acc_denom"], "tokens": meta["acc_tokens"]}
+        self.horizon = int(meta.get("horizon", self.s.total))
+        return int(meta["step"]), acc
+
+    # -- the finished draft --------------------------------------------------------------------
     def _finish(self, done: int, stopped: str | None) -> TrainResult:
         budget_s = time.perf_counter() - self.clock.started  # the budget's wall time: evaluations and saves in it
         final = self._log_eval(done)
-        model_sd, _ = parallel.full_state(self.inner, None)
+        model_sd, _ = parallel.full_state(self.s.inner, None)  # a collective under FSDP: all ranks call
         tps = self.tokens_run / self.clock.train_s if self.clock.train_s > 0 else None
         if self.dist.main:
-            draft = checkpoint.draft_from_tensors(self.draft.config, {k[len("draft."):]: v for k, v in model_sd.items()
-                                                                      if k.startswith("draft.")},
-                                                  where=f"{self.out}: the trained draft")
-            training = {"config": self.cfg.to_dict(), "data": self.corpus.provenance, "steps": done,
-                        "planned_steps": self.total, "lr_horizon": self.horizon, "stopped_early": stopped, "world_size": self.dist.world,
-                        "flops_per_token": self.flops, "peak_tflops": PEAK_TFLOPS, "train_seconds": self.clock.train_s,
-                        "setup_seconds": self.t_setup, "tokens_per_s": tps, "mfu": self._mfu(tps)}
-            result = {"heldout": metrics.rounded(final), "eval_samples": len(self.eval_idx),
-                      "train_samples": len(self.train_idx)}
-            train_state.finish(self.out, draft, contract=self.contract, target_fingerprint=self.target.fingerprint,
-                               data_manifest_hash=self.corpus.data_hash, training=training, metrics=result,
-                               tap_stats=train_data.tap_stats(self.corpus, self.train_idx, self.target.model,
-                                                              self.stack, TAP_STATS_TOKENS))
-            try:
-                metrics.plot_curves(self.out / train_state.LOG, self.out / train_state.PNG)
-            except Exception as e:  # a plot must not cost the checkpoint
-                print(f"eaglewire train: could not draw {train_state.PNG}: {e}", file=sys.stderr)
-            train_state.drop_state(self.out)
+            self._write_checkpoint(model_sd, done, stopped, final, tps)
         self.dist.barrier()
         return TrainResult(self.out, {"heldout": final, "steps": done, "stopped_early": stopped,
                                       "tokens_per_s": tps, "mfu": self._mfu(tps), "flops_per_token": self.flops,
                                       "peak_tflops": PEAK_TFLOPS, "world_size": self.dist.world,
                                       "train_seconds": self.clock.train_s, "setup_seconds": self.t_setup,
                                       "budget_seconds": budget_s})
+
+    def _write_checkpoint(self, model_sd: dict, done: int, stopped: str | None, final: dict,
+                          tps: float | None) -> None:
+        """The native checkpoint, its curves, and no resume state: rank 0 only."""
+        s = self.s
+        draft = checkpoint.draft_from_tensors(s.draft.config, {k[len("draft."):]: v for k, v in model_sd.items()
+                                                               if k.startswith("draft.")},
+                                              where=f"{self.out}: the trained draft")
+        training = {"config": self.cfg.to_dict(), "data": s.corpus.provenance, "steps": done,
+                    "planned_steps": s.total, "lr_horizon": self.horizon, "stopped_early": stopped,
+                    "world_size": self.dist.world, "flops_per_token": self.flops, "peak_tflops": PEAK_TFLOPS,
+                    "train_seconds": self.clock.train_s, "setup_seconds": self.t_setup, "tokens_per_s": tps,
+                    "mfu": self._mfu(tps)}
+        result = {"heldout": metrics.rounded(final), "eval_samples": len(s.eval_idx),
+                  "train_samples": len(s.train_idx)}
+        train_state.finish(self.out, draft, contract=s.contract, target_fingerprint=s.target.fingerprint,
+                           data_manifest_hash=s.corpus.data_hash, training=training, metrics=result,
+                           tap_stats=train_data.tap_stats(s.corpus, s.train_idx, s.target.model, s.stack,
+                                                          TAP_STATS_TOKENS))
+        try:
+            metrics.plot_curves(self.out / train_state.LOG, self.out / train_state.PNG)
+        except Exception as e:  # a plot must not cost the checkpoint
+            print(f"eaglewire train: could not draw {train_state.PNG}: {e}", file=sys.stderr)
+        train_state.drop_state(self.out)
 
 
 def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = False,
@@ -441,13 +488,20 @@ def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = Fals
     the held-out metrics.
     """
     t_start = time.perf_counter()  # the time budget counts setup (loading, regeneration) too
-    dist, out, run = Dist.setup(cfg.device), Path(out), None
+    dist, out, trainer = Dist.setup(cfg.device), Path(out), None
     created = not out.exists()
     try:
-        run = _Run(cfg, target, data_or_prompts, out, resume, progress, dist, t_start)
-        return run.run()
+        status = train_state.out_status(out, resume)
+        dist.barrier()  # every rank has looked at --out before rank 0 writes there
+        if status == "done":  # only the finished draft to report: nothing to load or train
+            meta = checkpoint.load_meta(out)
+            print(f"eaglewire train: {out} already holds the finished draft", file=sys.stderr)
+            return TrainResult(out, meta.metrics or {})
+        setup = set_up(cfg, target, data_or_prompts, dist, progress)
+        trainer = Trainer(setup, cfg, out, status, progress, dist, t_start)
+        return trainer.run()
     except BaseException:
-        if run is not None and run.status == "fresh" and dist.main:
+        if trainer is not None and trainer.status == "fresh" and dist.main:
             train_state.discard(out, created)  # a run that saved nothing leaves nothing behind
         raise
     finally:
@@ -493,10 +547,18 @@ def cmd_train(args) -> int:
 
 
 def register(sub) -> None:
-    from .. import cli_args
-
     p = sub.add_parser("train", help="train an EAGLE-3 draft (training-time test) from datagen shards or online")
     cli_args.add_target(p)
+    _add_source(p)
+    _add_schedule(p.add_argument_group("schedule"))
+    _add_draft(p.add_argument_group("draft and loss"))
+    _add_evaluation(p.add_argument_group("evaluation, checkpoints, logging"))
+    _add_devices(p.add_argument_group("devices"))
+    _add_regen(p.add_argument_group("online regeneration (--online --regen)"))
+    p.set_defaults(func=cmd_train)
+
+
+def _add_source(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", metavar="DIR", help="a datagen directory (offline training)")
     src.add_argument("--prompts", metavar="FILE", nargs="+",
@@ -506,7 +568,9 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, metavar="CKPT", help="checkpoint directory (created)")
     p.add_argument("--resume", action="store_true", help="continue the unfinished run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g = p.add_argument_group("schedule")
+
+
+def _add_schedule(g) -> None:
     g.add_argument("--epochs", type=cli_args.positive_int, help="passes over the training split (default 1)")
     g.add_argument("--steps", type=cli_args.positive_int, help="optimizer steps in all (overrides --epochs)")
     g.add_argument("--batch-tokens", type=cli_args.positive_int, help="padded tokens per micro-batch (default 8192)")
@@ -532,7 +596,9 @@ def register(sub) -> None:
     g.add_argument("--budget-from", choices=["setup", "first-step"],
                    help="where --time-budget-s starts: setup (default: loading counts) or first-step (after the "
                         "first optimizer step, compilation included, as the peers' harness times trainers)")
-    g = p.add_argument_group("draft and loss")
+
+
+def _add_draft(g) -> None:
     g.add_argument("--ttt-steps", type=cli_args.positive_int, help="training-time-test steps K (default 7)")
     g.add_argument("--ttt-decay", type=cli_args.fraction, help="loss weight decay**k of TTT step k, in (0, 1] "
                    "(default 0.8)")
@@ -546,7 +612,9 @@ def register(sub) -> None:
     cli_args.add_taps(g, help="canonical taps (default: the data's; online 2,N//2,N-3)")
     g.add_argument("--init-from", metavar="CKPT",
                    help="fine-tune this native draft (its weights, vocabulary and shape) instead of a new one")
-    g = p.add_argument_group("evaluation, checkpoints, logging")
+
+
+def _add_evaluation(g) -> None:
     g.add_argument("--eval-fraction", type=cli_args.ratio, help="held-out share of the samples, in [0, 1), 0 = no "
                    "evaluation (default 0.05), chosen by a seeded hash of each sample's tokens: on grown data the "
                    "same samples stay held out")
@@ -555,15 +623,18 @@ def register(sub) -> None:
                    help="steps between resume states, 0 = none (default: 10 per run)")
     g.add_argument("--log-every", type=cli_args.positive_int, help="steps between log lines (default 10)")
     g.add_argument("--seed", type=cli_args.nonneg_int, help="initialisation, split and batch order (default 0)")
-    g = p.add_argument_group("devices")
+
+
+def _add_devices(g) -> None:
     cli_args.add_device(g, help="cuda, cuda:1, cpu (default: cuda if available; LOCAL_RANK under torchrun)")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="auto: bf16 autocast on CUDA, fp32 on CPU")
     g.add_argument("--fsdp", action="store_true", default=None, help="shard the draft with FSDP2 (torchrun)")
     g.add_argument("--num-workers", type=cli_args.nonneg_int,
                    help="data-loading workers, 0 = load in the training process (default 4 on CUDA, 0 on CPU)")
-    g = p.add_argument_group("online regeneration (--online --regen)")
+
+
+def _add_regen(g) -> None:
     g.add_argument("--regen", action="store_true", default=None, help="the target rewrites the assistant turns first")
     g.add_argument("--regen-max-new-tokens", type=cli_args.positive_int, help="per reply (default 512)")
     g.add_argument("--regen-temperature", type=cli_args.nonneg_float, help="0 = greedy (default)")
     g.add_argument("--regen-batch-size", type=cli_args.positive_int, help="prompts per generate call (default 32)")
-    p.set_defaults(func=cmd_train)
