@@ -184,14 +184,14 @@ def test_compile_setting(monkeypatch):
     with pytest.raises(UsageError, match="--compile must be auto, True or False"):
         BenchConfig(suite="s", speedups=bench.speedups_from("cpu", compile="yes"))
     seen = []
-    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["speedups"].compile) or (_ for _ in ()).throw(
-        UsageError("stop")))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["speedups"].compile) or
+                        (_ for _ in ()).throw(UsageError("stop")))
     # the command line resolves "auto" for the device it picks: on where CUDA is
     for flags, want in (([], torch.cuda.is_available()), (["--compile"], True), (["--no-compile"], False)):
         assert main(["bench", "--target", "t", "--draft", "d", *flags]) == 2
         assert seen[-1] == want, flags
-    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["speedups"].prepack is not False) or (_ for _ in ()).throw(
-        UsageError("stop")))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["speedups"].prepack is not False) or
+                        (_ for _ in ()).throw(UsageError("stop")))
     for flags, want in (([], True), (["--no-prepack"], False)):
         assert main(["bench", "--target", "t", "--draft", "d", *flags]) == 2
         assert seen[-1] == want, flags

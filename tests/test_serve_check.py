@@ -56,7 +56,8 @@ class FakeVllm:
         self.jobs.append(job)
         w = self.world
         cfg = bench.BenchConfig(suite=str(w / "suite.txt"), max_new_tokens=job.max_new_tokens,
-                                shape=bench.shape_from("cpu", chain=job.num_speculative_tokens), hf=False, device="cpu", warmup=False)
+                                shape=bench.shape_from("cpu", chain=job.num_speculative_tokens), hf=False, device="cpu",
+                                warmup=False)
         ids = None
         if job.draft is None:
             native = w / "ck"

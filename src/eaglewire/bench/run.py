@@ -429,7 +429,8 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
     """Run (a) HF generate, (b) our decoder without and (c) with speculation on one suite; return the result dict.
 
     target: a `--target` spec or a loaded `targets.Target`; draft: a checkpoint dir or (Eagle3Draft, DraftMeta);
-    settings: the fields of BenchConfig (shape, sampling and speedups as the decoder's own configs). Writes JSON to `json_out` and the acceptance PNG to `plot` if given.
+    settings: the fields of BenchConfig (shape, sampling and speedups as the decoder's own configs). Writes JSON
+    to `json_out` and the acceptance PNG to `plot` if given.
     """
     cfg = BenchConfig(suite=suite, **settings)
     log = log or (lambda msg: print(msg, file=sys.stderr))
