@@ -86,7 +86,7 @@ def decoder_writer(target, draft, meta, suite: str, chain: int, rounds: list, ho
     (compiled with CUDA graphs on a GPU, eager on a CPU) or one path of it. Each prompt's accepted-per-round goes
     to `rounds`."""
     device = next(target.model.parameters()).device
-    ups = dataclasses.replace(BenchConfig(suite=suite, device=device.type).speedups(device), **DECODERS[how])
+    ups = dataclasses.replace(BenchConfig(suite=suite, device=device.type).speedups_for(device), **DECODERS[how])
     dec = SpecDecoder(target, copy.deepcopy(draft), meta, shape=SpecConfig.for_device(device, "chain", K=chain),
                       speedups=ups)
     eos = targets.eos_ids(target)

@@ -26,6 +26,8 @@ from eaglewire.bench.shapes import format_shapes
 from eaglewire.checkpoint import save_draft
 from eaglewire.cli import main
 from eaglewire.decode import prepack
+from eaglewire.decode.acceptance import SamplingParams
+from eaglewire.decode.speedups import Speedups
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.errors import UsageError
 from eaglewire.taps import TapContract
@@ -164,35 +166,36 @@ def test_default_shape_text_follow_the_device():
     """A shape left out is the device's (decode.DEFAULT_SHAPES): a chain of 2 and a d4 k3 b8 tree on a CPU;
     what is given is kept. The JSON's settings carry the resolved values."""
     cpu = BenchConfig(suite="s", device="cpu")
-    assert (cpu.chain, cpu.depth, cpu.topk, cpu.budget) == (2, 4, 3, 8)
+    assert (cpu.shape.K, cpu.shape.depth, cpu.shape.topk, cpu.shape.budget) == (2, 4, 3, 8)
     assert cpu.draft_shape() == {"mode": "chain", "K": 2}
-    tree = BenchConfig(suite="s", device="cpu", mode="tree", depth=2)
+    tree = BenchConfig(suite="s", device="cpu", shape=bench.shape_from("cpu", "tree", depth=2))
     assert tree.draft_shape() == {"mode": "tree", "depth": 2, "topk": 3, "budget": 8}
     with pytest.raises(UsageError, match="--chain must be >= 1"):
-        BenchConfig(suite="s", device="cpu", chain=0)
+        BenchConfig(suite="s", device="cpu", shape=bench.shape_from("cpu", chain=0))
     with pytest.raises(UsageError, match="--device tpu: not a device torch knows"):
         BenchConfig(suite="s", device="tpu")
 
 
 def test_compile_setting(monkeypatch):
     cfg = BenchConfig(suite="s")
-    assert cfg.compile == "auto" and cfg.compiles(torch.device("cuda")) and not cfg.compiles(torch.device("cpu"))
-    assert BenchConfig(suite="s", compile=True).compiles(torch.device("cpu"))
-    assert not BenchConfig(suite="s", compile=False).compiles(torch.device("cuda"))
+    assert cfg.speedups is None and cfg.compiles(torch.device("cuda")) and not cfg.compiles(torch.device("cpu"))
+    assert BenchConfig(suite="s", speedups=Speedups(compile=True)).compiles(torch.device("cpu"))
+    assert not BenchConfig(suite="s", speedups=Speedups(compile=False)).compiles(torch.device("cuda"))
     with pytest.raises(UsageError, match="--compile must be auto, True or False"):
-        BenchConfig(suite="s", compile="yes")
+        BenchConfig(suite="s", speedups=bench.speedups_from("cpu", compile="yes"))
     seen = []
-    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["compile"]) or (_ for _ in ()).throw(
-        UsageError("stop")))
-    for flags, want in (([], "auto"), (["--compile"], True), (["--no-compile"], False)):
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["speedups"].compile) or
+                        (_ for _ in ()).throw(UsageError("stop")))
+    # the command line resolves "auto" for the device it picks: on where CUDA is
+    for flags, want in (([], torch.cuda.is_available()), (["--compile"], True), (["--no-compile"], False)):
         assert main(["bench", "--target", "t", "--draft", "d", *flags]) == 2
         assert seen[-1] == want, flags
-    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["prepack"]) or (_ for _ in ()).throw(
-        UsageError("stop")))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["speedups"].prepack is not False) or
+                        (_ for _ in ()).throw(UsageError("stop")))
     for flags, want in (([], True), (["--no-prepack"], False)):
         assert main(["bench", "--target", "t", "--draft", "d", *flags]) == 2
         assert seen[-1] == want, flags
-    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["grouped_attention"]) or
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw["speedups"].grouped_attention) or
                         (_ for _ in ()).throw(UsageError("stop")))
     for flags, want in (([], None), (["--grouped-attention"], True), (["--no-grouped-attention"], False)):
         assert main(["bench", "--target", "t", "--draft", "d", *flags]) == 2
@@ -201,15 +204,16 @@ def test_compile_setting(monkeypatch):
 
 def test_bench_tree_on_random_pair_is_lossless(random_pair, prompt_file):
     target, draft = random_pair
-    r = run_bench(target, draft, prompt_file, max_new_tokens=10, mode="tree", depth=3, topk=2, budget=5,
-                  device="cpu", log=lambda m: None)
+    r = run_bench(target, draft, prompt_file, max_new_tokens=10, shape=bench.shape_from("cpu", "tree", depth=3, topk=2,
+                  budget=5), device="cpu", log=lambda m: None)
     assert r["greedy_check"]["ok"] is True, r["greedy_check"]
     acc = r["acceptance"]
     assert len(acc["rate_by_position"]) == 3 and all(0 <= x <= 1 for x in acc["rate_by_position"])
     assert acc["acceptance_length"] == pytest.approx(r["runs"]["spec"]["tokens"] / acc["verification_steps"])
     assert r["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5+fused"
-    apart = run_bench(target, draft, prompt_file, max_new_tokens=10, mode="tree", depth=3, topk=2, budget=5,
-                      device="cpu", fuse_projections=False, grouped_attention=True,
+    apart = run_bench(target, draft, prompt_file, max_new_tokens=10, shape=bench.shape_from("cpu", "tree", depth=3,
+                      topk=2, budget=5), device="cpu",
+                      speedups=bench.speedups_from("cpu", fuse_projections=False, grouped_attention=True),
                       log=lambda m: None)  # --no-fuse-projections --grouped-attention (K/V heads read in place)
     assert apart["runs"]["spec"]["name"] == "eaglewire-tree-d3-k2-b5+grouped" and apart["greedy_check"]["ok"] is True
     assert apart["runs"]["spec"]["tokens"] == r["runs"]["spec"]["tokens"]
@@ -217,8 +221,9 @@ def test_bench_tree_on_random_pair_is_lossless(random_pair, prompt_file):
 
 def test_no_hf_and_sampling(shift, prompt_file):
     target, draft = shift
-    r = run_bench(target, draft, prompt_file, max_new_tokens=6, max_prompts=2, hf=False, temperature=0.7,
-                  chain=2, device="cpu", log=lambda m: None)
+    r = run_bench(target, draft, prompt_file, max_new_tokens=6, max_prompts=2, hf=False,
+                  sampling=SamplingParams(temperature=0.7), shape=bench.shape_from("cpu", chain=2), device="cpu",
+                  log=lambda m: None)
     assert set(r["runs"]) == {"base", "spec"} and r["greedy_check"] is None
     assert r["speedups"]["spec/hf"] is None and r["suite"]["prompts"] == 2
 
@@ -231,7 +236,8 @@ def test_acceptance_by_category_where_the_suite_has_them(shift, prompt_file, mon
     def with_groups(spec, limit):
         return dataclasses.replace(load(spec, limit), groups=["writing", "math", "writing"])
     monkeypatch.setattr(bench.suites, "load_suite", with_groups)
-    r = run_bench(target, draft, prompt_file, max_new_tokens=6, hf=False, chain=2, device="cpu", log=lambda m: None)
+    r = run_bench(target, draft, prompt_file, max_new_tokens=6, hf=False, shape=bench.shape_from("cpu", chain=2),
+                  device="cpu", log=lambda m: None)
     pp = r["per_prompt"]
     assert [p["group"] for p in pp] == ["writing", "math", "writing"]
     want = {"writing": (pp[0]["spec_tokens"] + pp[2]["spec_tokens"]) / (pp[0]["spec_steps"] + pp[2]["spec_steps"]),
@@ -264,7 +270,8 @@ def test_a_report_in_bf16_says_its_acceptance_is_on_its_own_text(shift, prompt_f
     """Outside fp32 the speculative text may part from the plain one at a near-tie (benchmarks/results run 23: 70 of
     80 prompts in bf16 on an H200); the report says on how many, so that two dtypes' figures are read as two texts."""
     target, draft = shift
-    r = run_bench(target, draft, prompt_file, max_new_tokens=6, hf=False, chain=2, device="cpu", log=lambda m: None)
+    r = run_bench(target, draft, prompt_file, max_new_tokens=6, hf=False, shape=bench.shape_from("cpu", chain=2),
+                  device="cpu", log=lambda m: None)
     assert "parts from" not in format_table(r)  # fp32: every token the plain decoder's
     r["settings"]["dtype"] = "bf16"
     r["greedy_check"] = {"reference": "base", "strict": False, "compared": ["spec"], "ok": None, "mismatches": [
@@ -385,8 +392,10 @@ def test_shapes_that_sglang_cannot_express():
     from eaglewire.bench.shapes import engine_shapes
 
     # SGLang verifies at most topk + (steps - 1) x topk^2 draft tokens (interop/serve.py, SpecArgs)
-    assert engine_shapes(BenchConfig(suite="s", mode="tree", depth=2, topk=2, budget=7))["sglang"] is None
-    assert engine_shapes(BenchConfig(suite="s", mode="tree", depth=6, topk=8, budget=63))["sglang"] == \
+    def tree(depth, topk, budget):
+        return BenchConfig(suite="s", shape=bench.shape_from(None, "tree", depth=depth, topk=topk, budget=budget))
+    assert engine_shapes(tree(2, 2, 7))["sglang"] is None
+    assert engine_shapes(tree(6, 8, 63))["sglang"] == \
         {"num_steps": 6, "topk": 8, "draft_tokens": 64}
 
 

@@ -27,7 +27,7 @@ LLAMA3 = ("{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|
 def smol_tok():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(targets.prepare("smollm2-135m"))
+    return AutoTokenizer.from_pretrained(targets.prepare("smollm2-135m").path)
 
 
 def segments(tok, ids, mask):

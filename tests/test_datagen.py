@@ -36,7 +36,7 @@ def make_target(root, family):
     model = LlamaForCausalLM(LlamaConfig(**common)) if family == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
     path = root / family
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(targets.prepare("smollm2-135m")).save_pretrained(path)
+    AutoTokenizer.from_pretrained(targets.prepare("smollm2-135m").path).save_pretrained(path)
     return path
 
 

@@ -56,7 +56,8 @@ class FakeVllm:
         self.jobs.append(job)
         w = self.world
         cfg = bench.BenchConfig(suite=str(w / "suite.txt"), max_new_tokens=job.max_new_tokens,
-                                chain=job.num_speculative_tokens, hf=False, device="cpu", warmup=False)
+                                shape=bench.shape_from("cpu", chain=job.num_speculative_tokens), hf=False, device="cpu",
+                                warmup=False)
         ids = None
         if job.draft is None:
             native = w / "ck"
@@ -264,8 +265,8 @@ class FakeSglang:
                 ids = None
             layers = [2, 8 // 2, 8 - 3] if ids is None else [i + 1 if self.plus_one else i for i in ids]
             native = self.native(layers)
-        cfg = bench.BenchConfig(suite=str(w / "suite.txt"), max_new_tokens=job.max_new_tokens, chain=steps or 1,
-                                hf=False, device="cpu", warmup=False)
+        cfg = bench.BenchConfig(suite=str(w / "suite.txt"), max_new_tokens=job.max_new_tokens,
+                                shape=bench.shape_from("cpu", chain=steps or 1), hf=False, device="cpu", warmup=False)
         _, _, _, t, draft, meta, _, eos = bench.prepare(str(w / "target"), str(native), cfg)
         _, run, _ = bench.decoder_runner(t, draft, meta, cfg, torch.device("cpu"), eos, speculate=job.draft is not None)
         out = []

@@ -14,8 +14,8 @@ def cmd_prepare(args) -> int:
     if args.gguf and len(args.names) != 1:
         raise UsageError("--gguf installs one target: name exactly one")
     for name in args.names:
-        path = targets.prepare(name, Path(args.gguf) if args.gguf else None)
-        print(f"{name}: {path}")
+        prepared = targets.prepare(name, Path(args.gguf) if args.gguf else None)
+        print(f"{name}: {prepared.path}")
     return 0
 
 

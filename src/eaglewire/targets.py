@@ -137,8 +137,18 @@ def _find_gguf(t: EmbeddedTarget, workdir: Path, local: Path | None = None) -> P
     return joined
 
 
-def prepare(name: str, gguf: Path | None = None) -> Path:
-    """Install a registry target into the cache (once) and return its directory.
+@dataclass(frozen=True)
+class Prepared:
+    """An installed registry target: where it is, and how it got there (a caller can say whether it installed it)."""
+
+    name: str
+    path: Path  # the Hugging Face model directory in the cache
+    installed: bool  # True: this call dequantized it; False: found in the cache
+    source: str  # the --gguf file this call installed it from, else the package(s) that ship its GGUF
+
+
+def prepare(name: str, gguf: Path | None = None) -> Prepared:
+    """Install a registry target into the cache (once) and say where it is and whether this call installed it.
 
     `gguf` installs it from a local copy of the published file (machines without a registry).
     """
@@ -147,22 +157,23 @@ def prepare(name: str, gguf: Path | None = None) -> Path:
     t = REGISTRY[name]
     dest = home() / "targets" / name
     if (dest / "eaglewire_target.json").exists():
-        return dest
+        return Prepared(name=name, path=dest, installed=False, source=t.package)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
-        gguf = _find_gguf(t, Path(tmp), gguf)
-        if gguf.stat().st_size != t.size or files.file_digest(gguf, "md5") != t.md5:
-            raise EaglewireError(f"{gguf}: size or md5 differs from the published {t.package} file; "
+        found = _find_gguf(t, Path(tmp), gguf)
+        if found.stat().st_size != t.size or files.file_digest(found, "md5") != t.md5:
+            raise EaglewireError(f"{found}: size or md5 differs from the published {t.package} file; "
                                  "reinstall the package")
         print(f"eaglewire: dequantizing {t.name} ({t.size / 1e6:.0f} MB of GGUF) once (about "
               f"{max(1, round(t.size / 400e6))} minute(s) on a CPU)", file=sys.stderr)
-        model, tok = _load_gguf(gguf, torch.bfloat16)
+        model, tok = _load_gguf(found, torch.bfloat16)
+        source = str(gguf) if gguf is not None else t.package
         with files.atomic_dir(dest) as out:  # a killed prepare leaves no half-written target
             model.save_pretrained(out)
             tok.save_pretrained(out)
             (out / "eaglewire_target.json").write_text(json.dumps(
                 {"name": name, "hf_id": t.hf_id, "source": [p.package for p in t.parts], "gguf_md5": t.md5}, indent=2))
-    return dest
+    return Prepared(name=name, path=dest, installed=True, source=source)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype):
@@ -207,7 +218,7 @@ def text_config(config):
 def resolve(spec: str) -> Path:
     """A spec's model path: registry name -> cached dir (installed on first use), dir, or .gguf file."""
     if spec in REGISTRY:
-        return prepare(spec)
+        return prepare(spec).path
     p = Path(spec).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():

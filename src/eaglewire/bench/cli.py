@@ -6,23 +6,31 @@ import argparse
 
 from .. import cli_args
 from ..data import suites
+from ..decode.acceptance import SamplingParams
 from ..decode.decoder import default_shape_text
 from ..errors import EaglewireError, UsageError
+from ..parallel import pick_device
 from .report import format_table
 from . import run, shapes
 
 
 def cmd_bench(args) -> int:
-    settings = dict(max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_p=args.top_p, top_k=args.top_k, mode="tree" if args.tree else "chain",
-                    chain=args.chain, depth=args.depth, topk=args.topk, budget=args.budget, device=args.device,
-                    dtype=args.dtype, hf=not args.no_hf, hf_cache=args.hf_cache, cuda_graphs=not args.no_cuda_graphs,
-                    compile="auto" if args.compile is None else args.compile, prepack=not args.no_prepack,
-                    fuse_projections=not args.no_fuse_projections, grouped_attention=args.grouped_attention,
-                    warmup=not args.no_warmup, seed=args.seed,
-                    bandwidth=args.bandwidth * 1e12 if args.bandwidth else None)
     if args.tree and args.chain:
         raise UsageError("--chain K and --tree exclude each other; pick one")
+    # the flags map into the decoder's own parts; the device picks what a flag left to it (shape, speed-ups)
+    device = pick_device(args.device)
+    settings = dict(max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
+                    shape=run.shape_from(device, "tree" if args.tree else "chain", chain=args.chain, depth=args.depth,
+                                         topk=args.topk, budget=args.budget),
+                    sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
+                    speedups=run.speedups_from(device, cuda_graphs=not args.no_cuda_graphs,
+                                               compile="auto" if args.compile is None else args.compile,
+                                               prepack=not args.no_prepack,
+                                               fuse_projections=not args.no_fuse_projections,
+                                               grouped_attention=args.grouped_attention),
+                    device=args.device, dtype=args.dtype, hf=not args.no_hf, hf_cache=args.hf_cache,
+                    warmup=not args.no_warmup, seed=args.seed,
+                    bandwidth=args.bandwidth * 1e12 if args.bandwidth else None)
     if args.shapes:
         return shapes.main_shapes(args, settings)
     result = run.run_bench(args.target, args.draft, args.suite, json_out=args.json, plot=args.plot, **settings)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -42,7 +42,7 @@ import torch
 from .. import stats, targets
 from ..data import suites
 from ..decode.acceptance import SamplingParams
-from ..decode.decoder import fill_shape
+from ..decode.decoder import SpecConfig
 from ..decode.draft_runner import DraftRunner
 from ..decode.runners import TargetRunner
 from ..decode.speedups import Speedups
@@ -55,85 +55,111 @@ TIE_GAP = 1e-3  # fp32 top-2 logit gap below which a greedy divergence is roundi
 DTYPES = targets.DTYPES
 
 
+def _bad(flag: str, value, why: str):
+    raise UsageError(f"bench: --{flag.replace('_', '-')} {why}, got {value!r}")
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    """A --device name checked against this machine; a torch.device is taken as it is (a run's own device)."""
+    return device if isinstance(device, torch.device) else pick_device(device)
+
+
+def shape_from(device, mode: str = "chain", *, chain: int | None = None, depth: int | None = None,
+               topk: int | None = None, budget: int | None = None) -> SpecConfig:
+    """The decoder's shape from the bench's flags (each None: decode.DEFAULT_SHAPES for the device), checked
+    under the flags' names so that an error names what the user typed."""
+    if mode not in ("chain", "tree"):
+        _bad("mode", mode, "must be chain or tree")
+    for flag, v in (("chain", chain), ("depth", depth), ("topk", topk), ("budget", budget)):
+        if v is not None and v < 1:
+            _bad(flag, v, "must be >= 1")
+    return SpecConfig.for_device(_device(device), mode, K=chain, depth=depth, topk=topk, budget=budget)
+
+
+def speedups_from(device, *, compile: bool | str = "auto", cuda_graphs: bool = True, prepack: bool = True,
+                  fuse_projections: bool = True, grouped_attention: bool | None = None) -> Speedups:
+    """The decoder's speed-ups from the bench's flags for a device: compile "auto" is on CUDA only, CUDA graphs
+    are ignored on a CPU, and prepack/fuse_projections True leave the choice to the decoder (None) while False
+    turns them off."""
+    if compile not in ("auto", True, False):
+        _bad("compile", compile, "must be auto, True or False")
+    for flag, v in (("cuda_graphs", cuda_graphs), ("prepack", prepack), ("fuse_projections", fuse_projections)):
+        if not isinstance(v, bool):
+            _bad(flag, v, "must be True or False")
+    if not isinstance(grouped_attention, bool | None):
+        _bad("grouped_attention", grouped_attention, "must be True, False or None (auto)")
+    cuda = _device(device).type == "cuda"
+    return Speedups(cuda_graphs=cuda_graphs and cuda, compile=cuda if compile == "auto" else compile,
+                    prepack=None if prepack else False, fuse_projections=None if fuse_projections else False,
+                    grouped_attention=grouped_attention)
+
+
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
-    """What to run. mode "chain" drafts K tokens; "tree" expands topk per depth, pruned to budget tokens."""
+    """What to run: the bench's own settings, and the decoder's three parts as the decoder takes them (its shape,
+    the sampling, its speed-ups), so that a run is described once and the bench adds no second vocabulary."""
 
     suite: str
     max_prompts: int | None = None
     max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    mode: str = "chain"
-    chain: int | None = None  # K; None (each of these four): decode.DEFAULT_SHAPES for the device
-    depth: int | None = None
-    topk: int | None = None
-    budget: int | None = None
+    shape: SpecConfig | None = None  # None: decode.DEFAULT_SHAPES' chain for the device, resolved here
+    sampling: SamplingParams = SamplingParams()  # greedy
+    speedups: Speedups | None = None  # None: the device's choice (speedups_from's defaults), resolved per run
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str | None = None  # None: fp32 on cpu, bf16 on cuda
     hf: bool = True
     hf_cache: str = "auto"  # auto: static on cuda, dynamic on cpu
-    cuda_graphs: bool = True  # ignored on cpu
-    compile: bool | str = "auto"  # torch.compile our decoder's forwards; auto: on cuda, not on cpu
-    prepack: bool = True  # oneDNN-packed linears for our decoder where they apply (fp32 on a cpu, not compiled)
-    fuse_projections: bool = True  # q/k/v and gate/up as one matmul each in our decoder's target (small targets)
-    grouped_attention: bool | None = None  # K/V heads read in place (attention.py); None: on CUDA
     warmup: bool = True
     seed: int = 0
     bandwidth: float | None = None  # bytes/s; None: bench_report.BANDWIDTH by device name
 
     def __post_init__(self):
-        def bad(field, why):
-            raise UsageError(f"bench: --{field.replace('_', '-')} {why}, got {getattr(self, field)!r}")
-
         if self.max_prompts is not None and self.max_prompts < 1:
-            bad("max_prompts", "must be >= 1")
+            _bad("max_prompts", self.max_prompts, "must be >= 1")
         if self.max_new_tokens < 1:
-            bad("max_new_tokens", "must be >= 1")
-        if self.mode not in ("chain", "tree"):
-            bad("mode", "must be chain or tree")
-        shape = fill_shape(pick_device(self.device), K=self.chain, depth=self.depth, topk=self.topk,
-                           budget=self.budget)
-        for f, key in (("chain", "K"), ("depth", "depth"), ("topk", "topk"), ("budget", "budget")):
-            object.__setattr__(self, f, shape[key])  # frozen: resolved once, here
-            if getattr(self, f) < 1:
-                bad(f, "must be >= 1")
+            _bad("max_new_tokens", self.max_new_tokens, "must be >= 1")
+        device = pick_device(self.device)  # a device this machine lacks fails here, before anything loads
+        if self.shape is None:
+            object.__setattr__(self, "shape", shape_from(device))  # frozen: resolved once, here
+        for name, kind, what in (("shape", SpecConfig, "SpecConfig"), ("sampling", SamplingParams, "SamplingParams"),
+                                 ("speedups", Speedups | None, "Speedups or None")):
+            if not isinstance(getattr(self, name), kind):
+                raise UsageError(f"bench: {name} must be a {what}, got {type(getattr(self, name)).__name__}")
         if self.dtype is not None and self.dtype not in DTYPES:
-            bad("dtype", f"must be one of {list(DTYPES)}")
-        if self.compile not in ("auto", True, False):
-            bad("compile", "must be auto, True or False")
-        if not isinstance(self.prepack, bool):
-            bad("prepack", "must be True or False")
-        if not isinstance(self.fuse_projections, bool):
-            bad("fuse_projections", "must be True or False")
-        if not isinstance(self.grouped_attention, bool | None):
-            bad("grouped_attention", "must be True, False or None (auto)")
+            _bad("dtype", self.dtype, f"must be one of {list(DTYPES)}")
         if self.hf_cache not in ("auto", "dynamic", "static"):
-            bad("hf_cache", "must be auto, dynamic or static")
+            _bad("hf_cache", self.hf_cache, "must be auto, dynamic or static")
         if self.bandwidth is not None and not self.bandwidth > 0:
-            bad("bandwidth", "must be > 0 (bytes/s)")
-        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)  # validates
+            _bad("bandwidth", self.bandwidth, "must be > 0 (bytes/s)")
 
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+    def speedups_for(self, device: torch.device) -> Speedups:
+        """Our decoder's speed-ups on this device: the given ones (CUDA graphs only where there is CUDA), or the
+        device's choice."""
+        if self.speedups is None:
+            return speedups_from(device)
+        return replace(self.speedups, cuda_graphs=self.speedups.cuda_graphs and device.type == "cuda")
 
     def compiles(self, device: torch.device) -> bool:
         """Whether our decoder runs compiled forwards on this device."""
-        return device.type == "cuda" if self.compile == "auto" else self.compile
-
-    def speedups(self, device: torch.device) -> Speedups:
-        """Our decoder's speed-ups for this run: True asks for the device's choice (None), False turns one off."""
-        return Speedups(cuda_graphs=self.cuda_graphs and device.type == "cuda", compile=self.compiles(device),
-                        prepack=None if self.prepack else False,
-                        fuse_projections=None if self.fuse_projections else False,
-                        grouped_attention=self.grouped_attention)
+        return self.speedups_for(device).compile
 
     def draft_shape(self) -> dict:
-        if self.mode == "chain":
-            return {"mode": "chain", "K": self.chain}
-        return {"mode": "tree", "depth": self.depth, "topk": self.topk, "budget": self.budget}
+        s = self.shape
+        if s.mode == "chain":
+            return {"mode": "chain", "K": s.K}
+        return {"mode": "tree", "depth": s.depth, "topk": s.topk, "budget": s.budget}
+
+    def flat(self, device: torch.device) -> dict:
+        """The settings as one flat dict, the keys bench.json has always had (its readers and the docs use them):
+        prepack and fuse_projections say whether they were asked for, compile and cuda_graphs what ran."""
+        s, ups = self.shape, self.speedups_for(device)
+        return {"max_prompts": self.max_prompts, "max_new_tokens": self.max_new_tokens,
+                "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "top_k": self.sampling.top_k,
+                "mode": s.mode, "chain": s.K, "depth": s.depth, "topk": s.topk, "budget": s.budget,
+                "device": str(device), "dtype": self.dtype, "hf": self.hf, "hf_cache": self.hf_cache,
+                "cuda_graphs": ups.cuda_graphs, "compile": ups.compile, "prepack": ups.prepack is not False,
+                "fuse_projections": ups.fuse_projections is not False, "grouped_attention": ups.grouped_attention,
+                "warmup": self.warmup, "seed": self.seed, "bandwidth": self.bandwidth}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,13 +220,11 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     """(name, run, decoder) for our decoder, with the draft or without speculation (same engine)."""
     from torch._dynamo.utils import counters
 
-    from ..decode.decoder import SpecConfig, SpecDecoder
+    from ..decode.decoder import SpecDecoder
 
-    shape = SpecConfig(mode=cfg.mode, K=cfg.chain, depth=cfg.depth, topk=cfg.topk, budget=cfg.budget)
-    speedups = cfg.speedups(device)
     # The pair check (taps, hidden size, vocab, fingerprint) runs here, before anything is timed.
-    dec = SpecDecoder(target, draft if speculate else None, meta if speculate else None, shape=shape,
-                      speedups=speedups)
+    dec = SpecDecoder(target, draft if speculate else None, meta if speculate else None, shape=cfg.shape,
+                      speedups=cfg.speedups_for(device))
     greedy = cfg.sampling.greedy
 
     def run(ids: torch.Tensor, max_new: int, seed: int = 0) -> Generation:
@@ -213,9 +237,10 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
                           accepted=list(res.accepted_per_step) if speculate else None,
                           timings={**res.timings, "graphs_compiled": compiled})
 
+    shape = cfg.shape
     name = "eaglewire-" + ("base" if not speculate else
-                           f"chain-K{cfg.chain}" if cfg.mode == "chain"
-                           else f"tree-d{cfg.depth}-k{cfg.topk}-b{cfg.budget}")
+                           f"chain-K{shape.K}" if shape.mode == "chain"
+                           else f"tree-d{shape.depth}-k{shape.topk}-b{shape.budget}")
     # rounds that never wait for the host (rounds.py): greedy, and sampled where the decoder samples in rounds
     rounds = speculate and dec.rounds is not None and (greedy or dec.sample_in_rounds)
     done = dec.applied
@@ -404,7 +429,8 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
     """Run (a) HF generate, (b) our decoder without and (c) with speculation on one suite; return the result dict.
 
     target: a `--target` spec or a loaded `targets.Target`; draft: a checkpoint dir or (Eagle3Draft, DraftMeta);
-    settings: the fields of BenchConfig. Writes JSON to `json_out` and the acceptance PNG to `plot` if given.
+    settings: the fields of BenchConfig (shape, sampling and speedups as the decoder's own configs). Writes JSON
+    to `json_out` and the acceptance PNG to `plot` if given.
     """
     cfg = BenchConfig(suite=suite, **settings)
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -443,9 +469,7 @@ def describe(cfg: BenchConfig, t, meta, sp, device, dtype) -> dict:
         "draft": {"path": str(meta.path), "taps": list(meta.contract.taps),
                   "draft_vocab_size": meta.config.draft_vocab_size, "target_fingerprint": meta.target},
         "suite": sp.summary(),
-        "settings": {**{k: v for k, v in asdict(cfg).items() if k != "suite"}, "device": str(device),
-                     "dtype": targets.dtype_name(dtype), "draft": cfg.draft_shape(),
-                     "cuda_graphs": cfg.cuda_graphs and device.type == "cuda", "compile": cfg.compiles(device),
+        "settings": {**cfg.flat(device), "dtype": targets.dtype_name(dtype), "draft": cfg.draft_shape(),
                      "autotune": autotuned(device) if cfg.compiles(device) else None},
         "floor": {"weight_bytes": weight_bytes, "bandwidth": bw, "ms": fms},
     }
@@ -476,7 +500,7 @@ def build_result(cfg: BenchConfig, t, meta, sp, prompts, gens: dict, names: dict
         "runs": runs,
         "speedups": {"base/hf": ratio("base", "hf"), "spec/base": ratio("spec", "base"),
                      "spec/hf": ratio("spec", "hf")},
-        "acceptance": acceptance(gens["spec"], cfg.chain if cfg.mode == "chain" else cfg.depth),
+        "acceptance": acceptance(gens["spec"], cfg.shape.levels),
         "acceptance_by_group": {k: acceptance([g for g, x in zip(gens["spec"], sp.groups) if x == k], 0)
                                 ["acceptance_length"] for k in dict.fromkeys(sp.groups)} if sp.groups else None,
         "greedy_check": greedy_check(t, prompts, gens, "hf" if cfg.hf else "base", dtype)

@@ -26,13 +26,13 @@ from ..errors import EaglewireError, UsageError
 from ..interop.serve import SpecArgs
 from .report import or_dash, write_json
 from .run import (BenchConfig, acceptance, decoder_runner, describe, greedy_check, hf_runner, prepare, run_prompts,
-                  summarize, summarize_runs)
+                  shape_from, summarize, summarize_runs)
 
 SHAPE = re.compile(r"chain:(\d+)|tree:(\d+)x(\d+)x(\d+)")
 
 
 def parse_shapes(text: str) -> list[dict]:
-    """'chain:7,tree:6x8x63' -> BenchConfig fields of each shape (a tree: depth x topk x budget)."""
+    """'chain:7,tree:6x8x63' -> shape_from's keywords for each shape (a tree: depth x topk x budget)."""
     shapes = []
     for item in (x.strip() for x in text.split(",")):
         m = SHAPE.fullmatch(item)
@@ -48,19 +48,22 @@ def parse_shapes(text: str) -> list[dict]:
 
 
 def shape_name(cfg: BenchConfig) -> str:
-    return f"chain {cfg.chain}" if cfg.mode == "chain" else f"tree d{cfg.depth} k{cfg.topk} b{cfg.budget}"
+    s = cfg.shape
+    return f"chain {s.K}" if s.mode == "chain" else f"tree d{s.depth} k{s.topk} b{s.budget}"
 
 
 def engine_shapes(cfg: BenchConfig) -> dict[str, dict | None]:
     """The shape in the engines' words: SGLang's steps, topk and draft tokens (the root counted; None where
     SGLang has no such shape: a tree of more tokens than its levels hold), vLLM's chain length."""
-    steps, topk = (cfg.chain, 1) if cfg.mode == "chain" else (cfg.depth, cfg.topk)
+    s = cfg.shape
+    chain = s.mode == "chain"
+    steps, topk = (s.K, 1) if chain else (s.depth, s.topk)
     try:
-        a = SpecArgs(num_steps=steps, topk=topk, draft_tokens=None if cfg.mode == "chain" else cfg.budget + 1)
+        a = SpecArgs(num_steps=steps, topk=topk, draft_tokens=None if chain else s.budget + 1)
     except UsageError:
         a = None
     return {"sglang": None if a is None else dataclasses.asdict(a),
-            "vllm": {"num_speculative_tokens": cfg.chain} if cfg.mode == "chain" else None}
+            "vllm": {"num_speculative_tokens": s.K} if chain else None}
 
 
 def _release(device: torch.device) -> None:
@@ -80,7 +83,7 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
     if not shapes:
         raise UsageError("--shapes: name at least one shape, e.g. chain:7")
     cfg = BenchConfig(suite=suite, **settings)
-    cfgs = [dataclasses.replace(cfg, **s) for s in shapes]  # each shape checked before anything loads
+    cfgs = [dataclasses.replace(cfg, shape=shape_from(cfg.device, **s)) for s in shapes]  # checked before loading
     log = log or (lambda msg: print(msg, file=sys.stderr))
     device, dtype, sp, t, draft_model, meta, prompts, eos = prepare(target, draft, cfg)
     runners = {"hf": hf_runner(t, cfg, device, eos)} if cfg.hf else {}
@@ -105,7 +108,7 @@ def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, 
                            warmed=("base",))
         g = pair["spec"]
         row = {"shape": shape_name(c), **c.draft_shape(), "name": name, **summarize(g, head["floor"]["ms"]),
-               "acceptance": acceptance(g, c.chain if c.mode == "chain" else c.depth), "engines": engine_shapes(c),
+               "acceptance": acceptance(g, c.shape.levels), "engines": engine_shapes(c),
                "greedy_check": greedy_check(t, prompts, {ref: gens[ref], "spec": g}, ref, dtype) if greedy else None,
                "warnings": list(dec.warnings),
                "linears": dec.applied.linears}  # timed at this shape's verify rows too (prepack.py)
@@ -211,9 +214,8 @@ def main_shapes(args, settings: dict) -> int:
     """`bench --shapes`: the shapes run, its table, and a failed greedy fp32 check as an error."""
     if args.tree or args.chain:
         raise UsageError("--shapes names every shape to time; leave out --chain and --tree")
-    shape_fields = ("mode", "chain", "depth", "topk", "budget")
     result = run_shapes(args.target, args.draft, args.suite, parse_shapes(args.shapes), json_out=args.json,
-                        plot=args.plot, **{k: v for k, v in settings.items() if k not in shape_fields})
+                        plot=args.plot, **{k: v for k, v in settings.items() if k != "shape"})
     print(format_shapes(result))
     for what, path in (("json", args.json), ("plot", args.plot)):
         if path:

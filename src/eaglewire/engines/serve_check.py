@@ -233,8 +233,8 @@ def ours(target, native: Path, suite: str, max_prompts, max_new_tokens: int, cha
     same counters the engine reports, and the prompts' token ids (what the engine is given too)."""
     from ..bench import run as bench
 
-    cfg = bench.BenchConfig(suite=suite, max_prompts=max_prompts, max_new_tokens=max_new_tokens, chain=chain,
-                            hf=False, device=device)
+    cfg = bench.BenchConfig(suite=suite, max_prompts=max_prompts, max_new_tokens=max_new_tokens,
+                            shape=bench.shape_from(device, chain=chain), hf=False, device=device)
     dev, dtype, sp, t, draft, meta, prompts, eos = bench.prepare(target, str(native), cfg)
     runs = {k: bench.decoder_runner(t, draft, meta, cfg, dev, eos, speculate=k == "spec") for k in ("base", "spec")}
     gens = bench.run_prompts({k: (f"eaglewire {k}", r[1]) for k, r in runs.items()}, prompts, cfg, dev, log)
