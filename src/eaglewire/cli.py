@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # What shrinks a command's largest GPU allocation. A GPU shared with another job is the usual cause: two
-# `recipe full` regenerations of ~80 GB each do not fit one H200 (benchmarks/results run 23).
+# `recipe full` regenerations at once outgrow even a large GPU.
 OOM_FIXES: dict[str, str] = {
     "recipe": "--gen-batch-tokens T (regeneration; 262144 ran beside two other jobs) or --set batch_tokens=N (training)",
     "datagen": "--gen-batch-tokens T (regeneration), --batch-size B (capture) or --gpu-memory-utilization F (vLLM)",

@@ -173,7 +173,7 @@ _SGLANG_WHY = ("SGLang captures `hidden_states + residual` at the start of layer
 # vLLM 0.26.0, models/interfaces.py `_maybe_add_hidden_state`: at id 0 (residual still None) it keeps the embedding
 # tensor itself, not a sum; llama.py's first layer then makes that tensor its residual, and layernorm.py's
 # fused_add_rms_norm updates the residual in place, layer after layer. Served with id 0, a SmolLM2 draft accepted
-# 1.08 where the draft fed the last layer's output in that slot replays at 1.07 (benchmarks/results, run 20).
+# 1.08 where the draft fed the last layer's output in that slot replays at 1.07 (`serve-check --wirings` serves it).
 # DeepSeek family (deepseek_v2.py:1430, 1468-1469): residual is None at id 0 and the sum fails instead.
 _VLLM_ID0 = ("vLLM (0.26.0) hands the draft the last layer's output at id 0, not the embedding: the embedding "
              "tensor it keeps is the residual its fused add-RMSNorm then overwrites in place (on a DeepSeek-family "

@@ -81,8 +81,8 @@ def register(sub) -> None:
     comp = p.add_mutually_exclusive_group()
     comp.add_argument("--compile", dest="compile", action="store_const", const=True, default=None,
                       help="torch.compile our decoder's forwards (default: on cuda only; the first steps compile). On a "
-                           "CPU it needs a C++ compiler and gives up oneDNN packing; on an Intel Xeon it made a "
-                           "step 20%% faster and a chain of 2 the fastest shape")
+                           "CPU it needs a C++ compiler and gives up oneDNN packing; it can make a CPU step about "
+                           "20%% faster: measure both")
     comp.add_argument("--no-compile", dest="compile", action="store_const", const=False)
     p.add_argument("--no-prepack", action="store_true",
                    help="plain nn.Linear in our decoder on a CPU (default: oneDNN-packed weights in fp32)")

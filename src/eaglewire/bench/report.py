@@ -11,7 +11,7 @@ import torch
 
 from .. import __version__, files, stats
 
-BANDWIDTH = {"H200": 4.3e12}  # bytes/s a decode step can stream (GPU.md); others: pass bandwidth=
+BANDWIDTH = {"H200": 4.3e12}  # bytes/s a decode step can stream (below the 4.8 TB/s peak); others: pass bandwidth=
 RUNS = ("hf", "base", "spec")
 
 

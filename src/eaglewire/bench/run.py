@@ -258,7 +258,7 @@ def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tenso
     run alike: the ratios are the figures, and HF's step moved by up to 15% from one bench to the next.
     Warm-up: the longest prompt for the full length on CUDA (first, so HF allocates its largest static
     cache once and compiles for it) or 8 tokens on a CPU; then every prompt for 2 tokens (on a GPU the
-    first forward of each new prompt length picks kernels: measured ~0.25 s per prompt on an H200).
+    first forward of each new prompt length picks kernels: about 0.25 s per prompt on a GPU).
     """
     if cfg.warmup:
         longest = max(prompts, key=lambda p: p.shape[1])

@@ -60,9 +60,8 @@ class GenConfig:
         return self.cache == "static" or (self.cache == "auto" and device.type == "cuda")
 
     def engine_for(self, model, device: torch.device) -> str:
-        """auto: slots on CUDA where batchgen runs the model, hf elsewhere. On an H200 slots regenerated 20k replies in
-        131 s against generate's 281 s (benchmarks/results/2026-11-30-run11-slots-regeneration.md); on a 2-core CPU
-        it took 12.0 s for what generate did in 5.4 s (no graphs there, and every row padded to the width grid)."""
+        """auto: slots on CUDA, where batchgen's graphs regenerate about twice as fast as generate; hf elsewhere,
+        where slots lose (no graphs there, and every row padded to the width grid)."""
         if self.engine != "auto":
             return self.engine
         return "slots" if device.type == "cuda" and batchgen.supports(model) else "hf"
@@ -266,10 +265,9 @@ MIN_PROMPT_WORDS = 3  # shorter self-written prompts ("Hi", half a word) teach t
 
 # Words a steered self-written prompt opens with, in turn ("" leaves it to the target). Unsteered, SmolLM2-135M
 # writes mostly requests for help and plans: "Can you provide" / "help" / "suggest" and
-# "I'm planning" / "looking for" / "considering" open a quarter of 16,699 prompts written in one recipe run
-# (benchmarks/results/2026-11-29-run07-draft-shapes.md), while tasks to write, solve, extract from, role-play or
-# code are rare. The draft was weakest on prompts unlike its data in every band of the target's confidence
-# (benchmarks/results/2026-11-29-run10-grouped-attention-ab.md), so the last ten widen the kinds of task.
+# "I'm planning" / "looking for" / "considering" open a quarter of the prompts it writes, while tasks to write,
+# solve, extract from, role-play or code are rare. A draft is weakest on prompts unlike its data, whatever the
+# target's confidence, so the last ten widen the kinds of task.
 OPENERS = ("", "Write", "Explain", "Solve", "Imagine", "Describe", "Compare", "Summarize", "Extract", "Rewrite",
            "Calculate", "Implement", "Pretend", "Given", "Why", "How", "What", "Create", "List", "Analyze",
            "Translate", "Design", "Classify", "Evaluate",

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from ..errors import EaglewireError, UsageError
 
-VERSION = "0.5.17"  # the release whose source these rules were read from and which ran on the H200 (2026-12-03)
+VERSION = "0.5.17"  # the release whose source these rules were read from, and which served our drafts
 REQUIREMENT = f"sglang=={VERSION}"
 PYTHON_ENV, PATH_ENV = "EAGLEWIRE_SGLANG_PYTHON", "EAGLEWIRE_SGLANG_PATH"
 # SGLang pins transformers 5.12.1 and eaglewire needs 5.17 or newer, so pip cannot put both in one environment:

@@ -34,8 +34,8 @@ def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
     Same value and gradient as `-(p * logits.float().log_softmax(-1)).sum(-1)`, without an fp32
     log-softmax the size of the vocabulary per TTT step; on CUDA `torch.compile` fuses it into one
-    pass over logits and p forward and one backward (the unfused form was over half of a training
-    step's GPU time on the H200, benchmarks/results/2026-11-29-run02-compiled-decoder.md).
+    pass over logits and p forward and one backward (unfused, it was over half of a training step's
+    GPU time).
     """
     lf = logits.float()
     return torch.logsumexp(lf, dim=-1) * p.sum(-1) - (p * lf).sum(-1)
