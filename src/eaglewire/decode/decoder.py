@@ -6,11 +6,14 @@ Which file does what:
   acceptance.py    the rules: what a round accepts, greedy and lossless sampling, chain and tree, each
                    written once for both kinds of round;
   tree.py          EAGLE-2 trees: grow, prune, their attention masks;
-  runners.py       the static-shape forwards: slot KV caches, padded fixed sizes, compiled functions and
-  draft_runner.py  CUDA graphs (the target's and the draft's), and the drafting loops as one replay each;
+  draft_runner.py  the draft's drafting loops as one replay each, over runtime/runners.py's static-shape
+                   forwards (slot KV caches, padded fixed sizes, compiled functions and CUDA graphs);
   rounds.py        the device-resident rounds: the same round with its verdict kept on the device;
   speedups.py      the speed-ups (fused projections, prepacking, grouped attention, compile, CUDA graphs),
                    applied from outside the models in one ordered function.
+
+The models' fixed-shape calls, their K/V storage and sampling are the runtime's (runtime/): the data stage
+runs the target with them too, without the decoder.
 
 One round (`_step`), after a prefill that ran the target over the prompt and chose the first token:
 
@@ -40,11 +43,11 @@ import torch
 
 from ..checkpoint import check_pair
 from ..errors import UsageError
-from .acceptance import (SamplingParams, logits_to_probs, sample_with, verify_chain_greedy, verify_chain_sampling,
-                         verify_tree_greedy, verify_tree_sampling)
+from ..runtime.runners import TargetRunner
+from ..runtime.sampling import SamplingParams, logits_to_probs, sample_with
+from .acceptance import verify_chain_greedy, verify_chain_sampling, verify_tree_greedy, verify_tree_sampling
 from .draft_runner import DraftRunner
 from .rounds import ROUNDS_AHEAD, ChainRounds, SampledChainRounds, SampledTreeRounds, TreeRounds
-from .runners import TargetRunner
 from .speedups import Speedups, apply
 from .tree import DraftTree, grow, prune, tree_attention
 
@@ -284,7 +287,7 @@ class SpecDecoder:
         Returns (accepted node indices, committed tokens (accepted + 1 more), the next round's feed)."""
         taps, next_ids = feed
         tree, q, attn = self._draft({"ids": next_ids, "taps": taps}, sampling, gen)  # draft_runner.py, tree.py
-        logits, taps = self._verify(next_ids[-1:], tree, attn)  # runners.py
+        logits, taps = self._verify(next_ids[-1:], tree, attn)  # runtime/runners.py
         path, tokens = self._accept(tree, q, logits, sampling, gen)  # acceptance.py
         rows = [0] + [1 + i for i in path]  # the root's row and the accepted nodes'
         self.verifier.commit(rows)  # the draft's rows were never kept (_draft): its next extend rewrites them
