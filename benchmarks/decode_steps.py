@@ -27,14 +27,15 @@ import torch
 
 from eaglewire import __version__, targets
 from eaglewire.checkpoint import load_draft, save_draft
-from eaglewire.decode import attention, tree
-from eaglewire.decode.acceptance import SamplingParams
+from eaglewire.decode import tree
 from eaglewire.decode.decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.draft_runner import DraftRunner
-from eaglewire.decode.runners import TargetRunner
 from eaglewire.decode.speedups import Speedups
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.errors import UsageError
+from eaglewire.runtime import attention
+from eaglewire.runtime.runners import TargetRunner
+from eaglewire.runtime.sampling import SamplingParams
 from eaglewire.taps import TapContract
 
 

@@ -7,8 +7,8 @@ import torch
 from eaglewire.capture import capture
 from eaglewire.checkpoint import load_draft, save_draft
 from eaglewire.decode.decoder import SpecConfig, SpecDecoder
-from eaglewire.decode.runners import SlotRunner
 from eaglewire.decode.speedups import Speedups
+from eaglewire.runtime.runners import SlotRunner
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.taps import TapContract
 from eaglewire.targets import Target, fingerprint

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from eaglewire.decode.acceptance import (SCAN_BLOCK, SamplingParams, cumsum_in_blocks, logits_to_probs, sample_with,
-                                         verify_chain_greedy, verify_chain_sampling, verify_tree_greedy,
+from eaglewire.decode.acceptance import (verify_chain_greedy, verify_chain_sampling, verify_tree_greedy,
                                          verify_tree_sampling)
 from eaglewire.decode.tree import DraftTree, expand, prune, retrieve_paths, root_frontier
 from eaglewire.errors import UsageError
+from eaglewire.runtime.sampling import SCAN_BLOCK, SamplingParams, cumsum_in_blocks, logits_to_probs, sample_with
 
 V = 8
 TRIALS = 20_000

@@ -9,7 +9,7 @@ import transformers as tf
 from decoding import decoder
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from eaglewire.decode import attention
+from eaglewire.runtime import attention
 from eaglewire.targets import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")

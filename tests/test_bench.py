@@ -25,11 +25,11 @@ from eaglewire.bench.report import format_table
 from eaglewire.bench.shapes import format_shapes
 from eaglewire.checkpoint import save_draft
 from eaglewire.cli import main
-from eaglewire.decode import prepack
-from eaglewire.decode.acceptance import SamplingParams
 from eaglewire.decode.speedups import Speedups
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.errors import UsageError
+from eaglewire.runtime import prepack
+from eaglewire.runtime.sampling import SamplingParams
 from eaglewire.taps import TapContract
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"

@@ -17,9 +17,9 @@ from tiny import tiny_model
 
 import eaglewire.decode.decoder as decode
 import eaglewire.decode.tree as tree_mod
-from eaglewire.decode.acceptance import SamplingParams, logits_to_probs
-from eaglewire.decode.compiled import CompileError
-from eaglewire.decode.runners import SlotRunner
+from eaglewire.runtime.compiled import CompileError
+from eaglewire.runtime.runners import SlotRunner
+from eaglewire.runtime.sampling import SamplingParams, logits_to_probs
 from eaglewire.errors import UsageError
 from eaglewire.taps import TapContract
 
@@ -112,7 +112,7 @@ def test_a_tree_drafted_with_the_top_k_by_groups_drafts_what_atens_top_k_does(ll
                                                                                           top_p=0.95)])
 def test_a_sampled_chain_in_one_replay_draws_what_the_steps_draw(llama, seqs, drafts, sampling):
     """DraftRunner.sample_chain: the K-1 feedback steps of a sampled chain as one static function, each token
-    drawn with the round's uniform draw for its step (acceptance.sample_with), the same tokens and the
+    drawn with the round's uniform draw for its step (sampling.sample_with), the same tokens and the
     same acceptance as drafting step by step with the same draws, over prompts and seeds."""
     exact = decoder(llama, *drafts["perturbed"], static_shapes=False, **CHAIN)
     one = decoder(llama, *drafts["perturbed"], static_shapes=True, **CHAIN)
@@ -234,8 +234,8 @@ def test_the_drafts_steps_fused_and_grouped_propose_the_same_tokens(llama, seqs,
     """The decoder runs the draft's steps on a copy with q/k/v and gate/up fused and K/V heads read in
     place (as its target on CUDA): the same proposals, so the same acceptance, step by step (fp32);
     the caller's draft keeps its own modules."""
-    from eaglewire.decode.attention import GroupedDraftAttention
-    from eaglewire.decode.projections import FusedFirst
+    from eaglewire.runtime.attention import GroupedDraftAttention
+    from eaglewire.runtime.projections import FusedFirst
     from eaglewire.draft import DraftAttention
 
     draft, meta = drafts["trained"]
@@ -537,7 +537,7 @@ def test_captured_functions_never_read_the_device(llama, seqs, drafts, monkeypat
     on a CPU, every static function the decoder builds is traced by make_fx with its inputs as
     tracing tensors: a read-back is `aten._local_scalar_dense`, which make_fx refuses. Nor may one
     hold aten.sort, which inductor lowers to its own Triton sort: that gave indices past the end in
-    the one-replay tree on an H200 (tree.argsort_stable keeps aten's)."""
+    the one-replay tree on an H200 (sampling.argsort_stable keeps aten's)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     traced, sorts = [], []

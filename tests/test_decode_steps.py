@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from decoding import CHAIN, TREE, decoder, fake_capture, prompts, reference_greedy
 
-from eaglewire.decode.acceptance import SamplingParams
-from eaglewire.decode.runners import SlotRunner
+from eaglewire.runtime.runners import SlotRunner
+from eaglewire.runtime.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from decode_steps import generation, replays_per_round, warmed  # noqa: E402

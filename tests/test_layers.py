@@ -13,16 +13,17 @@ LAYERS = {
     **dict.fromkeys(["errors", "files", "registry", "taps", "parallel", "stats"], 0),  # foundations
     **dict.fromkeys(["targets", "capture", "chat", "prompts", "vocab", "draft_config", "draft", "checkpoint",
                      "cli_args"], 1),  # the core: the target, the draft, the artefacts
-    "decode": 2,
-    "interop": 3,
-    "data": 4,
-    **dict.fromkeys(["train", "bench"], 5),
-    "doctor": 6,
-    "engines": 7,
-    **dict.fromkeys(["recipes", "demo", "commands", "cli"], 8),  # the command line
+    "runtime": 2,  # running models at fixed shapes, sampling: what decode and data both stand on
+    "decode": 3,
+    "interop": 4,
+    "data": 5,
+    **dict.fromkeys(["train", "bench"], 6),
+    "doctor": 7,
+    "engines": 8,
+    **dict.fromkeys(["recipes", "demo", "commands", "cli"], 9),  # the command line
     "__init__": 0,  # the package's face holds its version only
 }
-APP = 8
+APP = 9
 SAME_LAYER_OK = {0, 1, APP}  # the foundations, the core and the command line are flat: they may share a layer
 
 
@@ -98,6 +99,36 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     try:
         test_imports_point_down()
     except AssertionError as e:
-        assert "taps (layer 0) imports bench.run (layer 5)" in str(e)
+        assert "taps (layer 0) imports bench.run (layer 6)" in str(e)
     else:
         raise AssertionError("an upward import went unnoticed")
+
+
+# Packages that may not import another although it sits below them. The data and training stages borrow the
+# runtime (runners, K/V slots, sampling), never the speculative decoder: they must not change when it does.
+NEVER = {"data": {"decode"}, "train": {"decode"}}
+
+
+def test_data_and_train_never_import_the_decoder():
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        me = _module(path)
+        for line, mod in _imports(path):
+            if _top(mod) in NEVER.get(_top(me), ()):
+                bad.append(f"{path.relative_to(PKG.parent)}:{line}: {me} imports {mod}")
+    assert not bad, "stages that reach into the decoder (use runtime/ instead):\n" + "\n".join(bad)
+
+
+def test_the_check_sees_data_importing_the_decoder(monkeypatch):
+    """The rule itself: a data module importing decode/ is caught, though decode sits below data."""
+    fake = PKG / "data" / "shards.py"
+    src = fake.read_text()
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (src + "\nfrom ..decode.decoder import SpecDecoder\n")
+                        if self == fake else Path.read_bytes(self).decode())
+    test_imports_point_down()  # downward, so the layers allow it
+    try:
+        test_data_and_train_never_import_the_decoder()
+    except AssertionError as e:
+        assert "data.shards imports decode.decoder" in str(e)
+    else:
+        raise AssertionError("data importing the decoder went unnoticed")

@@ -5,7 +5,7 @@ import torch
 from decoding import CHAIN, TREE, as_target, decoder, prompts, reference_greedy
 from tiny import tiny_model
 
-from eaglewire.decode import prepack
+from eaglewire.runtime import prepack
 from eaglewire.errors import UsageError
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),

@@ -6,8 +6,8 @@ import torch
 from decoding import CHAIN, TREE, decoder, prompts, reference_greedy
 from tiny import tiny_model
 
-from eaglewire.decode import projections
-from eaglewire.decode.projections import FusedFirst, FusedSlice
+from eaglewire.runtime import projections
+from eaglewire.runtime.projections import FusedFirst, FusedSlice
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,7 +60,7 @@ def test_compiled_step_runs_one_matmul_per_group():
 
     from torch._inductor.utils import run_and_get_code
 
-    from eaglewire.decode.runners import TargetRunner
+    from eaglewire.runtime.runners import TargetRunner
 
     m = tiny_model("llama")
     m.model.layers = m.model.layers[:2]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from decoding import CHAIN, TREE, counted_queues, decoder, launch_counter, prompts, reference_greedy, same_samples
 
-import eaglewire.decode.runners as runners
-from eaglewire.decode.acceptance import SamplingParams
+import eaglewire.runtime.runners as runners
+from eaglewire.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -142,7 +142,7 @@ def test_overlapped_read_backs_through_pinned_mirrors(llama, seqs, drafts, monke
 def test_verifies_spelt_as_matmuls_keep_greedy_tokens(llama, seqs, drafts, monkeypatch, shape):
     """`decode_steps.py --attention matmul`: grouped attention with every verify's rows (a chain's causal block,
     a tree's mask) as matmuls gives target-only greedy tokens (fp32)."""
-    import eaglewire.decode.attention as attention
+    import eaglewire.runtime.attention as attention
 
     monkeypatch.setattr(attention, "MATMUL_MAX_ROWS", 64)
     dec = decoder(llama, *drafts["trained"], static_shapes=True, grouped_attention=True, **shape)

@@ -9,9 +9,9 @@ from decoding import CONTRACT, new_draft
 from tiny import tiny_model
 
 from eaglewire.capture import capture
-from eaglewire.decode import attention
 from eaglewire.decode.draft_runner import DraftRunner
-from eaglewire.decode.runners import TargetRunner
+from eaglewire.runtime import attention
+from eaglewire.runtime.runners import TargetRunner
 from eaglewire.targets import shared_copy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,7 +131,7 @@ def test_target_forwards_autotune_their_matmuls_on_cuda_only():
     CPU compile keep inductor's defaults. torch.compile checks option names when it is called."""
     import torch._inductor as inductor
 
-    from eaglewire.decode.compiled import compile_options
+    from eaglewire.runtime.compiled import compile_options
 
     opts = compile_options(torch.device("cuda"), autotune=True)
     assert inductor.list_mode_options("max-autotune-no-cudagraphs").items() <= opts.items()
@@ -146,7 +146,7 @@ def test_only_single_row_forwards_are_autotuned(monkeypatch):
     slower (benchmarks/results/2026-11-29-run08-autotune-plain-step.md), and a prefill chunk runs once a prompt.
     Other sizes go through a compiled function without autotuning: on CUDA a separate torch.compile wrapper, on a
     CPU the same one (nothing is autotuned)."""
-    import eaglewire.decode.runners as runners
+    import eaglewire.runtime.runners as runners
 
     asked = []
     monkeypatch.setattr(runners, "compile_options", lambda device, autotune: asked.append(autotune) or {})
@@ -180,7 +180,7 @@ def test_autotuning_skips_are_not_logged_as_errors():
     are dropped once the target's options are asked for, the logger's other records are not."""
     import logging
 
-    from eaglewire.decode.compiled import _SkippedChoice, compile_options
+    from eaglewire.runtime.compiled import _SkippedChoice, compile_options
 
     compile_options(torch.device("cuda"), autotune=True)
     compile_options(torch.device("cuda"), autotune=True)

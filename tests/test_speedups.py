@@ -5,9 +5,10 @@ import torch
 from decoding import as_target, new_draft
 from tiny import tiny_model
 
-from eaglewire.decode import attention, speedups
+from eaglewire.decode import speedups
 from eaglewire.decode.decoder import SpecDecoder
-from eaglewire.decode.projections import FusedFirst
+from eaglewire.runtime import attention
+from eaglewire.runtime.projections import FusedFirst
 from eaglewire.draft import DraftAttention
 from eaglewire.errors import UsageError
 

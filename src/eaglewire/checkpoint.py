@@ -22,6 +22,7 @@ from . import __version__, files
 from .draft import DraftConfig, Eagle3Draft
 from .errors import TapError, UsageError
 from .taps import TapContract
+from .targets import compare_fingerprints
 from .vocab import validate_vocab
 
 FORMAT = "eaglewire-draft"
@@ -253,3 +254,35 @@ def load_draft(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Ea
     model = draft_from_tensors(meta.config, tensors, where=str(wfile))
     model.to(device=device, dtype=dtype)  # dtype None: as stored; integer buffers are never cast
     return model, meta
+
+
+# Whether a draft fits a target is a question about the two checkpoints, asked by the decoder, the trainer
+# (a draft trained further) and the recipes alike: it lives with the checkpoint, not in any one of them.
+
+# Fingerprint fields a draft can differ in and still run (a fine-tuned or re-quantized target, another
+# chat template): a warning, an error with strict. Any other difference is always an error.
+SOFT_FIELDS = ("weights_hash", "chat_template_hash", "architecture", "model_type", "tokenizer_hash")
+
+
+def check_pair(target, draft, meta, strict: bool = False) -> list[str]:
+    """Raise UsageError if the draft cannot run on the target; return the softer differences."""
+    where = f"draft {meta.path}"
+    c, tcfg = draft.config, target.config
+    if meta.contract.num_layers != target.num_layers:
+        raise UsageError(f"{where} reads taps {list(meta.contract.taps)} of a {meta.contract.num_layers}-layer "
+                         f"target, but target {target.spec} has {target.num_layers} layers: wrong target for "
+                         "this draft")
+    for name, want, found in (("target_hidden_size", c.target_hidden_size, tcfg.hidden_size),
+                              ("vocab_size", c.vocab_size, tcfg.vocab_size)):
+        if want != found:
+            raise UsageError(f"{where}: draft.{name} is {want} but target {target.spec} has {found}: "
+                             "wrong target for this draft")
+    soft = []
+    for key, want in meta.target.items():
+        for line in compare_fingerprints({key: want}, target.fingerprint, where):
+            if key not in SOFT_FIELDS:
+                raise UsageError(f"{line}: wrong target for this draft")
+            soft.append(line)
+    if soft and strict:
+        raise UsageError(soft[0] + " (strict: a fingerprint mismatch is an error)")
+    return soft

@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, cli_args, files, prompts, registry, stats, targets
+from .checkpoint import check_pair
 from .data import suites
 from .data import cli as datagen_cli
 from .data import datagen
-from .decode.decoder import check_pair
 from .errors import EaglewireError, UsageError
 from .parallel import Dist
 from .taps import TapContract

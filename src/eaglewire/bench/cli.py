@@ -6,7 +6,7 @@ import argparse
 
 from .. import cli_args
 from ..data import suites
-from ..decode.acceptance import SamplingParams
+from ..runtime.sampling import SamplingParams
 from ..decode.decoder import default_shape_text
 from ..errors import EaglewireError, UsageError
 from ..parallel import pick_device

@@ -41,13 +41,13 @@ import torch
 
 from .. import stats, targets
 from ..data import suites
-from ..decode.acceptance import SamplingParams
 from ..decode.decoder import SpecConfig
 from ..decode.draft_runner import DraftRunner
-from ..decode.runners import TargetRunner
 from ..decode.speedups import Speedups
 from ..errors import UsageError
 from ..parallel import pick_device
+from ..runtime.runners import TargetRunner
+from ..runtime.sampling import SamplingParams
 from .report import floor_ms, machine_info, plot_acceptance, write_json
 
 PROGRESS_EVERY_S = 10.0  # a line at most this often while the runs are timed

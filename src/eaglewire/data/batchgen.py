@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..decode import attention
-from ..decode.compiled import capture_graph
-from ..decode.kv_slots import Book, SlotLayer
-from ..decode.runners import additive_mask
+from ..runtime import attention
+from ..runtime.compiled import capture_graph
+from ..runtime.kv_slots import Book, SlotLayer
+from ..runtime.runners import additive_mask
 from ..targets import cache_kwarg, shared_copy
 
 

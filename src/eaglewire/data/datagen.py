@@ -18,9 +18,9 @@ import torch
 
 from .. import chat, prompts, targets
 from ..capture import capture, locate
-from ..decode.acceptance import SamplingParams, logits_to_probs
 from ..errors import EaglewireError, UsageError
 from ..parallel import Dist
+from ..runtime.sampling import SamplingParams, logits_to_probs
 from ..taps import TapContract
 from . import batchgen, shards
 

@@ -6,11 +6,14 @@ Which file does what:
   acceptance.py    the rules: what a round accepts, greedy and lossless sampling, chain and tree, each
                    written once for both kinds of round;
   tree.py          EAGLE-2 trees: grow, prune, their attention masks;
-  runners.py       the static-shape forwards: slot KV caches, padded fixed sizes, compiled functions and
-  draft_runner.py  CUDA graphs (the target's and the draft's), and the drafting loops as one replay each;
+  draft_runner.py  the draft's drafting loops as one replay each, over runtime/runners.py's static-shape
+                   forwards (slot KV caches, padded fixed sizes, compiled functions and CUDA graphs);
   rounds.py        the device-resident rounds: the same round with its verdict kept on the device;
   speedups.py      the speed-ups (fused projections, prepacking, grouped attention, compile, CUDA graphs),
                    applied from outside the models in one ordered function.
+
+The models' fixed-shape calls, their K/V storage and sampling are the runtime's (runtime/): the data stage
+runs the target with them too, without the decoder.
 
 One round (`_step`), after a prefill that ran the target over the prompt and chose the first token:
 
@@ -38,22 +41,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checkpoint import check_pair
 from ..errors import UsageError
-from ..targets import compare_fingerprints
-from .acceptance import (SamplingParams, logits_to_probs, sample_with, verify_chain_greedy, verify_chain_sampling,
-                         verify_tree_greedy, verify_tree_sampling)
+from ..runtime.runners import TargetRunner
+from ..runtime.sampling import SamplingParams, logits_to_probs, sample_with
+from .acceptance import verify_chain_greedy, verify_chain_sampling, verify_tree_greedy, verify_tree_sampling
 from .draft_runner import DraftRunner
 from .rounds import ROUNDS_AHEAD, ChainRounds, SampledChainRounds, SampledTreeRounds, TreeRounds
-from .runners import TargetRunner
 from .speedups import Speedups, apply
 from .tree import DraftTree, grow, prune, tree_attention
 
 MODES = ("chain", "tree")
 PLAIN_AHEAD = 8  # plain decoding on CUDA: steps queued between read-backs (generate_plain)
 GREEDY = SamplingParams()
-# Fingerprint fields a draft can differ in and still run (a fine-tuned or re-quantized target, another
-# chat template): a warning, an error with strict. Any other difference is always an error.
-SOFT_FIELDS = ("weights_hash", "chat_template_hash", "architecture", "model_type", "tokenizer_hash")
 # The shape a round drafts where none is given (measured: benchmarks/results/). On a GPU a round is bound by
 # launches, so a long chain or a wide tree costs little more than one token: chain 7 and tree d6 k8 b63 were the
 # fastest on an H200. On a CPU each draft step and each verified row costs its own time. Two cores of an Intel Xeon,
@@ -124,30 +124,6 @@ class GenerationResult:
         """Tokens per verification step, the bonus token included (as SGLang and vLLM report it)."""
         n = len(self.accepted_per_step)
         return (sum(self.accepted_per_step) + n) / n if n else float("nan")
-
-
-def check_pair(target, draft, meta, strict: bool = False) -> list[str]:
-    """Raise UsageError if the draft cannot run on the target; return the softer differences."""
-    where = f"draft {meta.path}"
-    c, tcfg = draft.config, target.config
-    if meta.contract.num_layers != target.num_layers:
-        raise UsageError(f"{where} reads taps {list(meta.contract.taps)} of a {meta.contract.num_layers}-layer "
-                         f"target, but target {target.spec} has {target.num_layers} layers: wrong target for "
-                         "this draft")
-    for name, want, found in (("target_hidden_size", c.target_hidden_size, tcfg.hidden_size),
-                              ("vocab_size", c.vocab_size, tcfg.vocab_size)):
-        if want != found:
-            raise UsageError(f"{where}: draft.{name} is {want} but target {target.spec} has {found}: "
-                             "wrong target for this draft")
-    soft = []
-    for key, want in meta.target.items():
-        for line in compare_fingerprints({key: want}, target.fingerprint, where):
-            if key not in SOFT_FIELDS:
-                raise UsageError(f"{line}: wrong target for this draft")
-            soft.append(line)
-    if soft and strict:
-        raise UsageError(soft[0] + " (strict: a fingerprint mismatch is an error)")
-    return soft
 
 
 class SpecDecoder:
@@ -311,7 +287,7 @@ class SpecDecoder:
         Returns (accepted node indices, committed tokens (accepted + 1 more), the next round's feed)."""
         taps, next_ids = feed
         tree, q, attn = self._draft({"ids": next_ids, "taps": taps}, sampling, gen)  # draft_runner.py, tree.py
-        logits, taps = self._verify(next_ids[-1:], tree, attn)  # runners.py
+        logits, taps = self._verify(next_ids[-1:], tree, attn)  # runtime/runners.py
         path, tokens = self._accept(tree, q, logits, sampling, gen)  # acceptance.py
         rows = [0] + [1 + i for i in path]  # the root's row and the accepted nodes'
         self.verifier.commit(rows)  # the draft's rows were never kept (_draft): its next extend rewrites them

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from .acceptance import logits_to_probs, sample_with
-from .kv_slots import DraftSlotCache, Slots
-from .runners import SlotRunner, StaticFunction
+from ..runtime.kv_slots import DraftSlotCache, Slots
+from ..runtime.runners import SlotRunner, StaticFunction
+from ..runtime.sampling import logits_to_probs, sample_with
 from .tree import DraftTree, grow, prune, tree_attention
 
 
@@ -121,8 +121,8 @@ class DraftRunner(SlotRunner):
     def sample_chain(self, token: torch.Tensor, hidden: torch.Tensor, position: int, steps: int, u: torch.Tensor,
                      sampling) -> tuple[torch.Tensor, torch.Tensor]:
         """`steps` sampled draft steps as ONE static function, as `greedy_chain` but each token drawn from
-        the draft's distribution (acceptance.logits_to_probs under `sampling`) with the uniform draw u[i]
-        (acceptance.sample_with). Returns ((steps,) target ids, (steps, Vd) the distributions they were
+        the draft's distribution (sampling.logits_to_probs under `sampling`) with the uniform draw u[i]
+        (sampling.sample_with). Returns ((steps,) target ids, (steps, Vd) the distributions they were
         drawn from), the replay's own buffers (valid until the next call)."""
         return self._chain_replay(("sample_chain", steps, sampling), self._sample_chain, (steps, sampling), token,
                                   hidden, position, steps, u=u)

@@ -92,7 +92,7 @@ def draft_shape(args, device: torch.device) -> dict:
 
 def cmd_generate(args) -> int:
     from .. import targets
-    from .acceptance import SamplingParams
+    from ..runtime.sampling import SamplingParams
 
     device = pick_device(args.device)
     shape = draft_shape(args, device)

@@ -17,7 +17,7 @@ buffers, shared between them:
      the committed tokens written in the round's row, the next extend's inputs, the target's position moved
      on (a tree also moves the accepted branch's K/V).
 
-Each replay is a static function of a runner, built from the runners' fixed-shape interface (runners.py:
+Each replay is a static function of a runner, built from the runners' fixed-shape interface (runtime/runners.py:
 make_function, forward_function, static_inputs, causal_block, masked_forward, move_rows; draft_runner.py:
 extend_chain, extend_tree).
 
@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from .acceptance import chain_sampling_verdict, chain_verdict, logits_to_probs, tree_sampling_verdict, tree_verdict
+from ..runtime.runners import TargetRunner
+from ..runtime.sampling import logits_to_probs
+from .acceptance import chain_sampling_verdict, chain_verdict, tree_sampling_verdict, tree_verdict
 from .draft_runner import DraftRunner
-from .runners import TargetRunner
 from .tree import grown_nodes
 
 # Rounds a read-back on CUDA, the next batch queued before it. Batched without that overlap, a round on an H200

@@ -29,21 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.sampling import argsort_stable  # its home is sampling: logits_to_probs sorts with it too
+
 ROOT = -1  # parent id of the children of the root, and the frontier id of the root itself
-
-
-@torch.library.custom_op("eaglewire::argsort_stable", mutates_args=())
-def argsort_stable(x: torch.Tensor) -> torch.Tensor:
-    """Indices that sort x ascending along its last dimension, ties to the lower index. An op of its own so that
-    torch.compile calls aten's sort instead of generating its own (a Triton sort fused with what
-    feeds it): compiled that way, the one-replay depth-7, top-8 tree indexed past the end of its 392
-    scores on an H200 (a device-side assert), although inductor's sort alone matched aten's."""
-    return torch.sort(x, stable=True).indices
-
-
-@argsort_stable.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=torch.long, device=x.device)
 
 
 # Orders of up to this many scores (a level's candidates, the grown tree before pruning) are found by ranking every

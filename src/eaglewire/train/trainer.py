@@ -28,8 +28,8 @@ import torch
 
 from .. import checkpoint, cli_args, parallel, prompts, targets
 from ..capture import capture, locate
+from ..checkpoint import check_pair
 from ..data import shards
-from ..decode.decoder import check_pair
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import EaglewireError, UsageError
 from ..parallel import Dist

@@ -1,4 +1,5 @@
-"""Both sides of decoding as slot runners: static KV buffers written at slots, masked forwards, CUDA graphs.
+"""Models as slot runners: static KV buffers written at slots, masked forwards, CUDA graphs. The decoder runs
+the target and the draft this way, batched regeneration (data/batchgen.py) borrows the mask and the storage.
 
 gpt-fast style. Every layer's K/V live in one preallocated buffer (kv_slots.py). A forward writes
 the K/V of its T new tokens at the slots after the committed ones (and after earlier uncommitted
@@ -19,7 +20,7 @@ the K/V of its T new tokens at the slots after the committed ones (and after ear
 and the 4D float mask is passed through as-is by HF's mask code (transformers 5.17 and 5.24, eager
 and sdpa attention); taps come from `capture.TapHooks` around the forward. `DraftRunner` drives an
 `Eagle3Draft` through the cache protocol its attention uses (`append(layer, k, v)`, `length`);
-it lives in draft_runner.py.
+it lives in decode/draft_runner.py (its drafting loops are the decoder's).
 """
 
 from __future__ import annotations
