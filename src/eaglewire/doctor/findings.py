@@ -36,7 +36,9 @@ CODES: dict[str, str] = {
     "NORM_FLAGS_IMPLICIT": "a norm flag absent where engines' defaults differ",
     "NORM_UNSUPPORTED": "the draft needs a norm behaviour the engine hard-codes otherwise",
     "NORM_FLAG_MISMATCH": "a norm flag written with another value than the draft was trained with",
-    "ENGINE_ARGS_OVERRIDE": "engine arguments the engine silently rewrites, with what the run will really use",
+    "ENGINE_ARGS_OVERRIDE": "engine arguments the engine silently rewrites, with what the run will really use; "
+                            "for SGLang also a sliding-window draft served without "
+                            "`--speculative-draft-window-size` (SGLang reads the window from that flag alone)",
     "ENGINE_ARGS_REFUSED": "engine arguments the engine refuses at start-up",
     "CONFIG_TYPE": "an architecture field of a type or value the engine cannot build (a string for a number, an "
                    "activation other than silu): loading the draft fails",
