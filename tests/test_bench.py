@@ -426,3 +426,41 @@ def test_runs_are_timed_prompt_by_prompt_in_turn_after_every_warm_up(monkeypatch
     run_prompts({"hf": ("hf (h)", recorder("hf"))}, prompts, dataclasses.replace(cfg, warmup=False),
                 torch.device("cpu"), logs.append)
     assert logs[0] == "eaglewire bench: timed 1 of 2 prompts" and len(logs) == 2  # none after the last prompt
+
+
+@pytest.mark.parametrize("shape", [("chain", {"chain": 2}), ("tree", {"depth": 3, "topk": 2, "budget": 5})])
+def test_a_bench_warmed_with_one_draft_times_another_as_if_built_for_it(shift, tmp_path, prompt_file, shape,
+                                                                       monkeypatch):
+    """A recipe warms its held-out bench before training (its compile then counts before the training budget is
+    set) and times it with the trained weights copied in. Warmed on a random draft that accepts almost nothing,
+    then given the shift draft, the bench must decode exactly as one built for the shift draft: the fused
+    projections and the oneDNN-packed layers (both derived from the draft's weights) derived again."""
+    from eaglewire.checkpoint import load_draft
+
+    monkeypatch.setattr(prepack, "MIN_WEIGHTS", 0)  # the tiny layers are below the size that pays
+    target, _ = shift
+    model, draft = shift_pair()
+    with torch.no_grad():  # attention and MLP live, so that every fused and packed weight changes what it drafts
+        torch.manual_seed(3)
+        for layer in draft.layers:
+            for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+                w.copy_(0.2 * torch.randn_like(w))
+    trained, untrained = str(tmp_path / "trained"), tmp_path / "untrained"
+    fingerprint = targets.fingerprint(model, tiny_tokenizer())
+    save_draft(draft, trained, contract=CONTRACT, target_fingerprint=fingerprint)
+    save_draft(new_draft(model, 5), untrained, contract=CONTRACT, target_fingerprint=fingerprint)
+    settings = dict(max_new_tokens=8, hf=False, shape=bench.shape_from("cpu", shape[0], **shape[1]), device="cpu",
+                    speedups=bench.speedups_from("cpu", prepack=True), log=lambda m: None)
+    warm = bench.warm(target, str(untrained), prompt_file, **settings)
+    assert warm.runners["spec"][0].endswith("+onednn+fused") and warm.warmup_s > 0 and warm.estimate_s() > 0
+    before = warm.run()["acceptance"]["acceptance_length"]
+    after = warm.run(trained)
+    fresh = run_bench(target, trained, prompt_file, **settings)
+    assert after["per_prompt"] == [{**p, "base_wall_s": q["base_wall_s"], "spec_wall_s": q["spec_wall_s"]}
+                                   for p, q in zip(fresh["per_prompt"], after["per_prompt"])]
+    assert after["acceptance"] == fresh["acceptance"] and after["greedy_check"]["ok"] is True
+    assert before < 1.5 < after["acceptance"]["acceptance_length"]  # the trained weights really ran
+    assert after["draft"]["path"] == str(load_draft(trained)[1].path)
+    with pytest.raises(UsageError, match="config differs"):
+        other = Eagle3Draft(dataclasses.replace(load_draft(trained)[0].config, intermediate_size=16))
+        warm.runners["spec"][2].load_draft_weights(other, load_draft(trained)[1])

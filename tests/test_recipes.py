@@ -146,6 +146,9 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path, monkey
     meta = json.loads((tmp_path / "full" / "draft" / "config.json").read_text())
     assert meta["training"]["data"]["mode"] == "online"
     assert 0 < meta["training"]["config"]["time_budget_s"] < 600  # what the earlier stages left
+    # the bench was built and warmed before training, and training left what its timed runs were measured to need
+    assert b["warmed_before_training"] is True and b["warmup_s"] > 0 and b["timed_s_estimate"] > 0
+    assert meta["training"]["config"]["time_budget_s"] < 600 - recipe.reserve_s - b["timed_s_estimate"] + 0.1
     first = json.loads(open(tmp_path / "full" / "regenerated.jsonl").readline())["messages"]  # --turns 2
     assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant"]
     assert first[2]["content"] == "Another?" and report["regenerated"]["replies"] == report["regenerated"][

@@ -64,3 +64,20 @@ def test_train_takes_budget_from_on_its_command_line():
     args = build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o", "--budget-from",
                                       "first-step"])
     assert config_from_args(args).budget_from == "first-step"
+
+
+@pytest.mark.usefixtures("slow_first_step")
+@pytest.mark.parametrize("kept", [0.0, 100.0])
+def test_before_loop_sees_the_draft_and_what_it_returns_comes_off_the_budget(setup, kept):
+    """A recipe builds its held-out bench around the untrained draft before the first step (recipes._WarmBench) and
+    returns what the bench's timed runs will take: training must leave that much of its budget."""
+    import json
+
+    root, target = setup
+    seen = []
+    r = train(TrainConfig(steps=4, time_budget_s=102.0, **FAST), target, root / "data", out=root / f"kept{kept:.0f}",
+              progress=False, before_loop=lambda s: seen.append((s.draft.config.num_taps, s.total)) or kept)
+    assert seen == [(3, 4)]
+    assert r.metrics["steps"] == (4 if kept == 0 else 1)  # 102 - 100 s: the slow first step outlasts what is left
+    config = json.loads((root / f"kept{kept:.0f}" / "config.json").read_text())["training"]["config"]
+    assert config["time_budget_s"] == 102.0 - kept

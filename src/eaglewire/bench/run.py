@@ -256,20 +256,8 @@ def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tenso
 
     Interleaved so that a slow spell of the machine (a job on the next GPU, clocks, the host) lands on every
     run alike: the ratios are the figures, and HF's step moved by up to 15% from one bench to the next.
-    Warm-up: the longest prompt for the full length on CUDA (first, so HF allocates its largest static
-    cache once and compiles for it) or 8 tokens on a CPU; then every prompt for 2 tokens (on a GPU the
-    first forward of each new prompt length picks kernels: about 0.25 s per prompt on a GPU).
     """
-    if cfg.warmup:
-        longest = max(prompts, key=lambda p: p.shape[1])
-        for label, run in (r for k, r in runs.items() if k not in warmed):
-            log(f"eaglewire bench: {label}: warm-up" + (" (compiling every shape it meets: a minute or more the "
-                                                        "first time)" if device.type == "cuda" else ""))
-            t0 = time.perf_counter()
-            run(longest, cfg.max_new_tokens if device.type == "cuda" else min(cfg.max_new_tokens, 8), cfg.seed)
-            for ids in prompts:
-                run(ids, min(cfg.max_new_tokens, 2), cfg.seed)
-            log(f"eaglewire bench: {label}: warmed up in {time.perf_counter() - t0:.1f} s")
+    warm_up({k: r for k, r in runs.items() if k not in warmed}, prompts, cfg, device, log)
     gens: dict[str, list[Generation]] = {k: [] for k in runs}
     shown = time.perf_counter()
     for i, ids in enumerate(prompts):  # sampling: prompt i draws from a generator seeded with seed + i in every run
@@ -282,6 +270,25 @@ def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tenso
         tokens, wall = sum(len(g.tokens) for g in gens[k]), sum(g.wall_s for g in gens[k])
         log(f"eaglewire bench: {label}: {len(gens[k])} prompts, {tokens} tokens in {wall:.2f} s")
     return gens
+
+
+def warm_up(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tensor], cfg: BenchConfig,
+            device: torch.device, log) -> None:
+    """Each run once over the longest prompt for the full length on CUDA (first, so HF allocates its largest
+    static cache once and compiles for it) or 8 tokens on a CPU; then every prompt for 2 tokens (on a GPU the
+    first forward of each new prompt length picks kernels: about 0.25 s per prompt). Nothing if cfg.warmup
+    is off."""
+    if not cfg.warmup:
+        return
+    longest = max(prompts, key=lambda p: p.shape[1])
+    for label, run in runs.values():
+        log(f"eaglewire bench: {label}: warm-up" + (" (compiling every shape it meets: a minute or more the "
+                                                    "first time)" if device.type == "cuda" else ""))
+        t0 = time.perf_counter()
+        run(longest, cfg.max_new_tokens if device.type == "cuda" else min(cfg.max_new_tokens, 8), cfg.seed)
+        for ids in prompts:
+            run(ids, min(cfg.max_new_tokens, 2), cfg.seed)
+        log(f"eaglewire bench: {label}: warmed up in {time.perf_counter() - t0:.1f} s")
 
 
 # --- metrics --------------------------------------------------------------------------------------
@@ -432,23 +439,70 @@ def run_bench(target, draft, suite: str, *, json_out=None, plot=None, log=None, 
     settings: the fields of BenchConfig (shape, sampling and speedups as the decoder's own configs). Writes JSON
     to `json_out` and the acceptance PNG to `plot` if given.
     """
+    return warm(target, draft, suite, log=log, **settings).run(json_out=json_out, plot=plot)
+
+
+@dataclass
+class Bench:
+    """A bench built and warmed up (`warm`), ready to be timed (`run`).
+
+    A bench can be warmed with one draft and timed with another of the same config: `run(draft)` copies the
+    trained weights into the decoder in place, so the compiled code and CUDA graphs made for the first draft
+    run the second. A recipe warms its bench before training and times it after, so the compile counts
+    before the training budget is set, and not after it has run out.
+    """
+
+    cfg: BenchConfig
+    device: torch.device
+    dtype: torch.dtype
+    suite: object  # suites.Suite
+    target: targets.Target
+    meta: object  # the draft's DraftMeta
+    prompts: list[torch.Tensor]
+    runners: dict[str, tuple]  # key -> (name, run, decoder or None)
+    log: Callable
+    warmup_s: float = 0.0
+
+    def estimate_s(self) -> float:
+        """An upper bound on the seconds `run` will time: each run once over the longest prompt for the full
+        length (every prompt costs at most that; an untrained draft accepts least), times the prompts."""
+        longest = max(self.prompts, key=lambda p: p.shape[1])
+        once = sum(run(longest, self.cfg.max_new_tokens, self.cfg.seed).wall_s for _, run, _ in self.runners.values())
+        return once * len(self.prompts)
+
+    def run(self, draft=None, *, json_out=None, plot=None) -> dict:
+        """Time every run on every prompt (with `draft`'s weights, a checkpoint dir or (Eagle3Draft, DraftMeta),
+        if given) and return the result; writes JSON to `json_out` and the acceptance PNG to `plot` if given."""
+        spec = self.runners["spec"][2]
+        if draft is not None:
+            _, model, self.meta = _load(self.target, draft, self.device, self.dtype)
+            spec.load_draft_weights(model, self.meta)
+        runs = {k: (f"{k} ({name})", run) for k, (name, run, _) in self.runners.items()}
+        gens = run_prompts(runs, self.prompts, self.cfg, self.device, self.log, warmed=tuple(runs))
+        result = build_result(self.cfg, self.target, self.meta, self.suite, self.prompts, gens,
+                              {k: r[0] for k, r in self.runners.items()}, self.device, self.dtype)
+        result["warnings"] = list(spec.warnings)
+        result["settings"]["linears"] = spec.applied.linears
+        result["warmup_s"] = round(self.warmup_s, 2)
+        if json_out:
+            write_json(result, json_out)
+        if plot:
+            plot_acceptance(result, Path(plot))
+        return result
+
+
+def warm(target, draft, suite: str, *, log=None, **settings) -> Bench:
+    """A Bench of `draft` on `suite` (run_bench's arguments), built and warmed up: every shape it will time
+    compiled and captured."""
     cfg = BenchConfig(suite=suite, **settings)
     log = log or (lambda msg: print(msg, file=sys.stderr))
     device, dtype, sp, t, draft_model, meta, prompts, eos = prepare(target, draft, cfg)
-
     runners = {"hf": hf_runner(t, cfg, device, eos)} if cfg.hf else {}
     runners["base"] = decoder_runner(t, draft_model, meta, cfg, device, eos, speculate=False)
     runners["spec"] = decoder_runner(t, draft_model, meta, cfg, device, eos, speculate=True)
-    gens = run_prompts({k: (f"{k} ({name})", run) for k, (name, run, _) in runners.items()}, prompts, cfg, device, log)
-
-    result = build_result(cfg, t, meta, sp, prompts, gens, {k: r[0] for k, r in runners.items()}, device, dtype)
-    result["warnings"] = list(runners["spec"][2].warnings)
-    result["settings"]["linears"] = runners["spec"][2].applied.linears
-    if json_out:
-        write_json(result, json_out)
-    if plot:
-        plot_acceptance(result, Path(plot))
-    return result
+    t0 = time.perf_counter()
+    warm_up({k: (f"{k} ({name})", run) for k, (name, run, _) in runners.items()}, prompts, cfg, device, log)
+    return Bench(cfg, device, dtype, sp, t, meta, prompts, runners, log, time.perf_counter() - t0)
 
 
 def autotuned(device: torch.device) -> dict[str, bool]:

@@ -48,7 +48,7 @@ from ..runtime.sampling import SamplingParams, logits_to_probs, sample_with
 from .acceptance import verify_chain_greedy, verify_chain_sampling, verify_tree_greedy, verify_tree_sampling
 from .draft_runner import DraftRunner
 from .rounds import ROUNDS_AHEAD, ChainRounds, SampledChainRounds, SampledTreeRounds, TreeRounds
-from .speedups import Speedups, apply
+from .speedups import Speedups, apply, refresh
 from .tree import DraftTree, grow, prune, tree_attention
 
 MODES = ("chain", "tree")
@@ -279,6 +279,23 @@ class SpecDecoder:
                 new = torch.stack(new)
             out.add(new.tolist())  # the sync
         return out.result(None, 0)
+
+    @torch.no_grad()
+    def load_draft_weights(self, draft, meta) -> None:
+        """Take another draft's weights, in place: it must have this draft's config (a checkpoint of the same
+        training). What was compiled and captured for this decoder then replays with them, so a decoder can be
+        warmed up before its draft is trained (`recipe`: the bench compiles before training, not after)."""
+        if self.draft is None:
+            raise UsageError("SpecDecoder.load_draft_weights: this decoder runs without a draft")
+        if draft.config != self.draft.config:
+            raise UsageError(f"draft {meta.path}: its config differs from the draft this decoder was built for; "
+                             "build a new decoder for it")
+        self.warnings = check_pair(self.target, draft, meta)
+        theirs = draft.state_dict()
+        for name, t in self.draft.state_dict().items():  # the same tensors the runners and their graphs read
+            t.copy_(theirs[name])
+        refresh(self.drafter.draft)
+        self.draft_ids.copy_(torch.arange(self.draft_ids.numel(), device=self.device) + self.draft.d2t)
 
     # -- one round: draft -> verify -> accept -> commit ---------------------------------------------------
     def _step(self, feed, sampling: SamplingParams, gen):

@@ -129,6 +129,13 @@ def apply(target_model: nn.Module, draft: nn.Module | None, speedups: Speedups, 
                                         linears=linears)
 
 
+def refresh(engine_draft: nn.Module) -> None:
+    """Derive again, in place, what steps 1-2 derived from the draft's weights (fused projections, packed
+    layers), after those weights were replaced in place. Grouped attention and the runners only read them."""
+    projections.refresh(engine_draft)
+    packing.refresh(engine_draft)
+
+
 def grouped_draft(draft: nn.Module, own: bool = False) -> nn.Module:
     """The draft with each attention module whose query heads share K/V heads wrapped in
     attention.GroupedDraftAttention: on a copy (tensors shared), or in place where `own` (the decoder's copy

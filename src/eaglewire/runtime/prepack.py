@@ -91,6 +91,10 @@ class PackedLinear(nn.Module):
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self._w, self._b)
 
+    def repack(self) -> None:
+        """Pack `weight` again after it changed in place (the dense views follow it by themselves)."""
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+
     def packed(self, x: torch.Tensor) -> torch.Tensor:
         # dense in, dense out (inductor's CPU linear): no per-call conversion of the activations
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self._b, "none", [], "")
@@ -153,6 +157,13 @@ def prepacked(module: nn.Module, rows: tuple[int, ...] = (1, PACK_ROWS)) -> nn.M
     _swap(out)
     time_layers([m for m in out.modules() if type(m) is PackedLinear], rows)
     return out.eval()
+
+
+def refresh(module: nn.Module) -> None:
+    """Pack every PackedLinear's weight again after the weights changed in place (never compiled: see `prepacked`)."""
+    for m in module.modules():
+        if type(m) is PackedLinear:
+            m.repack()
 
 
 def _packs(m: nn.Module) -> bool:

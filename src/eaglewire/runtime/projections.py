@@ -18,6 +18,8 @@ the grouped projections.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -30,10 +32,20 @@ class _Last:
     """The group's last fused output, by input. A plain object, so the fused weight is registered
     in one module only."""
 
-    def __init__(self, fused: nn.Linear, sizes: list[int]):
+    def __init__(self, fused: nn.Linear, sizes: list[int], sources: list[nn.Linear]):
         self.fused, self.sizes = fused, sizes
+        # the group's own weights (tensors shared with the model fused): `refresh` fuses them again
+        self.sources = [(m.weight, m.bias) for m in sources]
         self.input: torch.Tensor | None = None
         self.parts: tuple[torch.Tensor, ...] = ()
+
+    def __deepcopy__(self, memo):
+        """A copy (shared_copy: prepacking copies the fused model) that keeps the sources themselves: they are the
+        source model's tensors, no longer parameters of the fused one, so shared_copy's memo does not hold them."""
+        new = _Last(copy.deepcopy(self.fused, memo), list(self.sizes), [])
+        new.sources = self.sources
+        memo[id(self)] = new
+        return new
 
 
 class FusedFirst(nn.Module):
@@ -84,7 +96,7 @@ def _fuse(module: nn.Module, names: tuple[str, ...]) -> None:
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([m.bias.detach() for m in layers]))
     fused.requires_grad_(False)
-    last = _Last(fused, sizes)
+    last = _Last(fused, sizes, layers)
     setattr(module, names[0], FusedFirst(fused, last))
     for i, name in enumerate(names[1:], start=1):
         setattr(module, name, FusedSlice(i, last))
@@ -105,3 +117,15 @@ def fused(model: nn.Module) -> nn.Module:
             if _fusable(m, names):
                 _fuse(m, names)
     return out.eval()
+
+
+@torch.no_grad()
+def refresh(model: nn.Module) -> None:
+    """Fuse each group's weights again, in place, after the model they came from changed its weights in place:
+    compiled code and CUDA graphs hold the fused tensors, not copies."""
+    for m in model.modules():
+        if isinstance(m, FusedFirst):
+            f, sources = m.fused, m.last.sources
+            f.weight.copy_(torch.cat([w for w, _ in sources]))
+            if f.bias is not None:
+                f.bias.copy_(torch.cat([b for _, b in sources]))

@@ -16,6 +16,7 @@ draft); `train` joins the two; `register` is the command line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -23,6 +24,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -479,13 +481,15 @@ class Trainer:
         train_state.drop_state(self.out)
 
 
-def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = False,
-          progress: bool = True) -> TrainResult:
+def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = False, progress: bool = True,
+          before_loop: Callable[[Setup], float | None] | None = None) -> TrainResult:
     """Train a draft. target: a registry name / model path, or a loaded targets.Target.
 
     data_or_prompts: a datagen directory (offline) or one or more prompt files (online). Writes the native
     checkpoint, train_log.jsonl and train_curves.png into `out` (rank 0), and returns its path and
-    the held-out metrics.
+    the held-out metrics. before_loop(setup), if given, runs on every rank once the draft exists and before
+    the first step. Its own time counts against cfg.time_budget_s, and the seconds it returns are taken off
+    that budget: work the caller will do after training, measured now.
     """
     t_start = time.perf_counter()  # the time budget counts setup (loading, regeneration) too
     dist, out, trainer = Dist.setup(cfg.device), Path(out), None
@@ -498,6 +502,9 @@ def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = Fals
             print(f"eaglewire train: {out} already holds the finished draft", file=sys.stderr)
             return TrainResult(out, meta.metrics or {})
         setup = set_up(cfg, target, data_or_prompts, dist, progress)
+        after = before_loop(setup) if before_loop is not None else None
+        if after and cfg.time_budget_s is not None:
+            cfg = dataclasses.replace(cfg, time_budget_s=max(cfg.time_budget_s - after, 1.0))
         trainer = Trainer(setup, cfg, out, status, progress, dist, t_start)
         return trainer.run()
     except BaseException:
