@@ -133,6 +133,20 @@ def test_lr_schedule_warms_up_then_follows_a_cosine():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
 
 
+def test_lr_schedule_linear_and_constant():
+    """speculators' default decays in a straight line (transformers' get_linear_schedule_with_warmup,
+    speculators/train/trainer.py `scheduler_type="linear"`); constant holds the peak after the warmup."""
+    linear = TrainConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, schedule="linear")
+    lrs = [lr_at(linear, s, 110) for s in range(110)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert lrs[35] == pytest.approx(0.775e-3) and lrs[60] == pytest.approx(0.55e-3)  # a quarter, half way down
+    assert lr_at(linear, 200, 110) == pytest.approx(1e-4) and lr_at(linear, 60, 1000, horizon=110) == lrs[60]
+    constant = TrainConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, schedule="constant")
+    assert [lr_at(constant, s, 110) for s in (0, 9, 60, 109, 500)] == pytest.approx([1e-4, 1e-3, 1e-3, 1e-3, 1e-3])
+    with pytest.raises(UsageError, match="schedule"):
+        TrainConfig(schedule="step")
+
+
 def test_epoch_plan_covers_the_split_once_within_the_token_budget():
     lengths = [int(x) for x in torch.randint(5, 200, (300,), generator=torch.Generator().manual_seed(1))]
     idx = list(range(0, 300, 2))

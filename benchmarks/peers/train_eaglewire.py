@@ -61,7 +61,7 @@ def main(argv=None) -> int:
            "settings": {k: v for k, v in cfg.to_dict().items()
                         if k in ("lr", "min_lr_ratio", "batch_tokens", "ttt_steps", "ttt_decay", "loss",
                                  "draft_vocab_size", "max_len", "warmup_steps", "betas", "weight_decay",
-                                 "clip_grad", "epochs", "eval_fraction", "optimizer")} | {"schedule": "cosine"}}
+                                 "clip_grad", "epochs", "eval_fraction", "optimizer", "schedule")}}
     Path(a.json).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: out[k] for k in ("steps", "train_s", "tokens_per_s")}), file=sys.stderr)
     return 0

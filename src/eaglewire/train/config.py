@@ -14,6 +14,9 @@ from ..draft import DraftConfig
 from ..errors import UsageError
 
 LOSSES = ("soft-ce", "kl")  # see ttt.py
+# After the warmup: a cosine or a straight line down to lr * min_lr_ratio at the horizon, or lr throughout.
+# speculators decays linearly over its planned epochs, so a short budget keeps it near its peak.
+SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon")  # muon: torch.optim.Muon on the draft's hidden matrices, AdamW on the rest
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak, the denominator of the reported MFU
 
@@ -28,7 +31,8 @@ class TrainConfig:
     batch_size: int | None = None  # samples per micro-batch instead
     grad_accum: int = 1
     lr: float = 1e-4
-    min_lr_ratio: float = 0.0  # the cosine ends at lr * min_lr_ratio
+    min_lr_ratio: float = 0.0  # the decay ends at lr * min_lr_ratio
+    schedule: str = "cosine"  # SCHEDULES
     warmup_steps: int | None = None  # default: 2% of the steps
     weight_decay: float = 0.0  # on matrices only, never on norms
     betas: tuple[float, float] = (0.9, 0.95)
@@ -98,6 +102,8 @@ class TrainConfig:
             bad("optimizer", f"must be one of {list(OPTIMIZERS)}")
         if self.loss not in LOSSES:
             bad("loss", f"must be one of {list(LOSSES)}")
+        if self.schedule not in SCHEDULES:
+            bad("schedule", f"must be one of {list(SCHEDULES)}")
         if self.dtype not in ("auto", "fp32", "bf16"):
             bad("dtype", "must be auto, fp32 or bf16")
         if self.batch_tokens is not None and self.batch_tokens < self.max_len:
@@ -128,7 +134,8 @@ class TrainConfig:
 
 
 def lr_at(cfg: TrainConfig, step: int, total: int, horizon: int | None = None) -> float:
-    """Linear warmup, then cosine from lr to lr * min_lr_ratio at step `horizon` (default: total).
+    """Linear warmup, then cfg.schedule: cosine (or linear) from lr to lr * min_lr_ratio at step `horizon` (default:
+    total), or constant at lr.
 
     A pure function of its arguments. Under a time budget the trainer moves the horizon to the
     step the clock will stop it at (BudgetClock), so the cosine still ends at its floor. The
@@ -140,9 +147,12 @@ def lr_at(cfg: TrainConfig, step: int, total: int, horizon: int | None = None) -
     warm = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.02 * end)
     if step < warm:
         return cfg.lr * (step + 1) / warm
-    progress = (step - warm) / max(1, end - warm)
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - warm) / max(1, end - warm))
     low = cfg.lr * cfg.min_lr_ratio
-    return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    left = 1 - progress if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return low + (cfg.lr - low) * left
 
 
 @dataclass

@@ -40,7 +40,7 @@ from ..vocab import draft_ids, select_draft_vocab
 from . import data as train_data
 from . import metrics
 from . import state as train_state
-from .config import PEAK_TFLOPS, BudgetClock, TrainConfig, flops_per_token, lr_at
+from .config import PEAK_TFLOPS, SCHEDULES, BudgetClock, TrainConfig, flops_per_token, lr_at
 from .ttt import TTTModel, TTTSpec, target_side
 
 TAP_STATS_TOKENS = 4096  # tokens of training data the checkpoint's tap statistics are taken over
@@ -587,7 +587,9 @@ def _add_schedule(g) -> None:
                    help="micro-batches per optimizer step and rank (default 1)")
     g.add_argument("--lr", type=cli_args.positive_float, help="peak learning rate (default 1e-4)")
     g.add_argument("--min-lr-ratio", type=cli_args.ratio,
-                   help="cosine floor as a fraction of --lr, in [0, 1); 0 = down to 0 (default)")
+                   help="where the decay ends, a fraction of --lr, in [0, 1); 0 = down to 0 (default)")
+    g.add_argument("--schedule", choices=list(SCHEDULES),
+                   help="after the warmup: cosine (default) or linear down to the floor, or constant")
     g.add_argument("--warmup-steps", type=cli_args.nonneg_int, help="linear warmup steps, 0 = none (default 2%% of the "
                    "steps; under --time-budget-s, of those the clock is estimated to allow)")
     g.add_argument("--weight-decay", type=cli_args.nonneg_float,
