@@ -21,7 +21,7 @@ position i = the share of verification steps that accepted at least i draft toke
 `spec_decode_num_accepted_tokens_per_pos[i] / num_drafts`); `conditional` divides by the steps
 that accepted i-1 instead. Suites with categories (MT-bench) also get the acceptance length of each
 category: where a draft falls short is often one kind of prompt. A target step's physical floor is the
-bytes of its weights read once at memory bandwidth (H200: 4.3 TB/s); on a CPU only ms/step is reported.
+bytes of its weights read once at memory bandwidth (report.BANDWIDTH, or `--bandwidth`); on a CPU only ms/step is reported.
 
 Greedy runs check that (b) and (c) emit the tokens of (a) (or of (b) with `hf=False`). In fp32 a
 mismatch is a failure unless the target's top-2 logits at the divergence are a near tie (< TIE_GAP

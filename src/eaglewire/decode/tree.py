@@ -36,14 +36,15 @@ ROOT = -1  # parent id of the children of the root, and the frontier id of the r
 
 # Orders of up to this many scores (a level's candidates, the grown tree before pruning) are found by ranking every
 # pair: a few kernels that a compiled round fuses, where aten's stable sort is a cub radix sort of several launches
-# (14 sorts in a d7 k8 tree round profiled on an H200, benchmarks/results/2026-11-30-run13-shapes-in-one-run.md).
-# 0 = aten's sort always.
+# (a d7 k8 tree round sorts 14 times; `python benchmarks/round_kernels.py --random-draft --modes tree` lists a
+# round's kernels). 0 = aten's sort always.
 RANK_SORT_MAX = 1024
 # A draft's top-k over its vocabulary (k small) comes from the k groups of TOPK_GROUP logits with the highest maxima,
 # which hold every value of the top k whatever the ties, each step ordered by ranking: a few kernels that a compiled
 # round fuses. aten's top-k (of whole rows, or of groups of 1,024 and then of those, as before these groups) is a
-# radix select and a bitonic sort of its result: two of each a level, 0.25 ms of a d6 k8 b63 round on an H200
-# (profiled in benchmarks/results/2026-11-30-run18-tree-topk-by-groups.md). 0 = aten's top-k as is. Only on
+# radix select and a bitonic sort of its result: two of each a level, a share of a tree round on a GPU that
+# `python benchmarks/decode_steps.py --random-draft --modes tree --tree-select ours,aten` measures. 0 = aten's
+# top-k as is. Only on
 # TOPK_GROUP_DEVICES: on a CPU aten's top-k is one cheap pass, and an eager ranking costs what it compares (~30x
 # aten's top-k of 8 rows of 32,000).
 TOPK_GROUP = 64

@@ -93,10 +93,9 @@ class SlotRunner:
         # dynamic=False: one graph per padded size; shapes never vary within one
         self.compiles = compile
         self._compiled = self._compile(self.autotune) if compile else None
-        # Only single-row forwards are autotuned. On the H200 (SmolLM2-135M, decode_steps.py) inductor's choice made a
-        # 1-row step faster (1.235 -> 1.123 ms) and an 8-row verify slower (1.324 -> 1.660 ms;
-        # benchmarks/results/2026-11-29-run08-autotune-plain-step.md); a prefill chunk runs once a prompt, not worth a
-        # minute of compilation. A wrapper of its own: dynamo recompiles for it.
+        # Only single-row forwards are autotuned. On a GPU inductor's choice makes a 1-row step faster and can make
+        # an 8-row verify slower (`decode_steps.py --autotune target,all` times both). A prefill chunk runs once a
+        # prompt, not worth a minute of compilation. A wrapper of its own: dynamo recompiles for it.
         tunes = compile and self.autotune and device.type == "cuda"
         self._compiled_untuned = self._compile(False) if tunes else self._compiled
 
@@ -363,11 +362,10 @@ class TargetRunner(SlotRunner):
     """An HF causal LM; `forward({"ids": (T,)}, ...)` returns (logits (T, V) fp32, taps (T, n*H)),
     or (logits,) alone when the contract is None (plain decoding captures no taps).
 
-    Its compiled single-row forward (a plain decode step) autotunes its matmuls on CUDA: SmolLM2-135M on
-    the H200, a plain step 1.235 -> 1.123 ms, the same tokens
-    (benchmarks/results/2026-11-29-run08-autotune-plain-step.md), for about a minute
-    of compilation (inductor keeps the results on disk). Its verify and prefill sizes and the draft's
-    functions are not autotuned (benchmarks/decode_steps.py --autotune times the choice)."""
+    Its compiled single-row forward (a plain decode step) autotunes its matmuls on CUDA. That makes a
+    plain step faster with the same tokens, for about a minute of compilation (inductor keeps the
+    results on disk). Its verify and prefill sizes and the draft's functions are not autotuned
+    (`python benchmarks/decode_steps.py --autotune target,none` times the choice)."""
 
     autotune = True
     prefill_chunk = 128  # rows per static prefill forward: one more compiled size (see prefill)
@@ -458,8 +456,8 @@ class TargetRunner(SlotRunner):
         """The prompt (P,) into the empty cache: last-position logits (V,) and taps (P, n*H) if any.
 
         A static runner runs it in chunks of `prefill_chunk` rows through one compiled forward (one
-        CUDA graph): run eagerly, a prompt costs a launch per op of every layer (23-36 ms a prompt
-        for SmolLM2-135M on the H200, a tenth of a 256-token reply). The last chunk ends at the prompt's
+        CUDA graph). Run eagerly, a prompt costs a launch per op of every layer: for SmolLM2-135M
+        on a GPU, about a tenth of a 256-token reply. The last chunk ends at the prompt's
         end, rewriting the rows it shares with the one before (the same tokens at the same
         positions), so no chunk writes past the prompt and the cache needs no extra room."""
         assert self.length == 0 and self.pending == 0, "reset() before prefill"

@@ -19,8 +19,8 @@ from ..errors import UsageError
 def argsort_stable(x: torch.Tensor) -> torch.Tensor:
     """Indices that sort x ascending along its last dimension, ties to the lower index. An op of its own so that
     torch.compile calls aten's sort instead of generating its own (a Triton sort fused with what
-    feeds it): compiled that way, the one-replay depth-7, top-8 tree indexed past the end of its 392
-    scores on an H200 (a device-side assert), although inductor's sort alone matched aten's."""
+    feeds it): compiled that way on CUDA, the one-replay depth-7, top-8 tree indexed past the end of
+    its 392 scores (a device-side assert), although inductor's sort alone matched aten's."""
     return torch.sort(x, stable=True).indices
 
 
@@ -81,7 +81,7 @@ SCAN_BLOCK = 1024
 def cumsum_in_blocks(x: torch.Tensor) -> torch.Tensor:
     """cumsum over the last dim as scans of SCAN_BLOCK entries plus a short scan of the block totals. One long
     scan over few rows (a vocabulary, 8-64 rows) makes inductor emit a split-scan kernel whose CUDA codegen fails
-    (torch 2.11 on an H200: "list indices must be integers or slices, not NoneType"); these short scans never split."""
+    (torch 2.11 on CUDA: "list indices must be integers or slices, not NoneType"); these short scans never split."""
     v = x.shape[-1]
     if v <= SCAN_BLOCK:
         return x.cumsum(-1)
