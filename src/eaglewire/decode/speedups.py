@@ -19,9 +19,9 @@ speed-up switch); the decoder runs copies that share every tensor the speed-ups 
      chain round a little faster. `python benchmarks/decode_steps.py --random-draft --attention sdpa,grouped`
      measures it (measured: benchmarks/results/).
   4. static shapes, torch.compile, CUDA graphs: the runners' (runtime/runners.py), built last with
-     `Speedups.runner_options` (their sizes are the decoder's shape). compile runs their static forwards through
+     `Speedups.runner_options` (their sizes are the decoder's shape). `compile` runs their static forwards through
      torch.compile (inductor fuses a decoder layer's many small kernels; with graphs the compiled forward is
-     what is captured); both imply static shapes, which a CPU can run alone to check that logic.
+     what is captured). Both imply static shapes, which a CPU can run alone to check that logic.
 
 Steps 1-3 copy a model only where it is still the caller's: the caller's target and draft, and their configs,
 are never changed.
@@ -72,9 +72,10 @@ class Speedups:
 
 @dataclass(frozen=True, kw_only=True)
 class Applied:
-    """What `apply` did to the target (False where a speed-up was asked for and found nothing to change: no
-    q/k/v or gate/up group, no layer worth packing, no shared K/V heads or not sdpa), and the packed layers'
-    choices (prepack.choices: which of MKL and oneDNN each shape calls; None when nothing is packed)."""
+    """What `apply` did to the target, and the packed layers' choices (prepack.choices: which of MKL and
+    oneDNN each shape calls; None when nothing is packed). A speed-up is False where it was asked for and
+    found nothing to change: no q/k/v or gate/up group, no layer worth packing, no shared K/V heads or not
+    sdpa."""
 
     fuse_projections: bool
     prepack: bool
@@ -85,9 +86,9 @@ class Applied:
 def apply(target_model: nn.Module, draft: nn.Module | None, speedups: Speedups, *, verify_rows: int | None = None,
           draft_rows: tuple[int, ...] = ()) -> tuple[nn.Module, nn.Module | None, Applied]:
     """(target model, draft, what was applied) for decoding: steps 1-3 of the module docstring, in order, on the
-    models as they are placed (the draft on the target's device and dtype). verify_rows: the rows of the
-    target's verify (None without a draft); draft_rows: the draft's static sizes. Raises UsageError for a
-    speed-up the device cannot run."""
+    models as they are placed (the draft on the target's device and dtype). `verify_rows`: the rows of
+    the target's verify (None without a draft). `draft_rows`: the draft's static sizes. Raises UsageError
+    for a speed-up the device cannot run."""
     p = next(target_model.parameters())
     if speedups.cuda_graphs and p.device.type != "cuda":
         raise UsageError(f"CUDA graphs need the target on a CUDA device, it is on {p.device}")

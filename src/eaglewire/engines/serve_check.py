@@ -7,11 +7,11 @@
 The incident eaglewire exists for was lost between training and the serving engine, so the engine's own
 counters are the ground truth here: the same prompts, greedy, batch 1, through
  (a) the engine without the draft, (b) the engine with it (a native draft is exported to the engine's format
-     first; an export is served as it is), (c) eaglewire's decoder without and with it;
-then acceptance length, acceptance by position and tokens/s side by side, and the engine's greedy tokens with
-and without the draft compared token for token. `--wirings` serves the draft again with the tap ids of the
-doctor's main alternative wirings, in the engine's words: the engine's acceptance for each is the ground truth
-that `eaglewire doctor --probe` estimates.
+     first; an export is served as it is), (c) eaglewire's decoder without and with it.
+Then acceptance length, acceptance by position and tokens/s are set side by side, and the engine's greedy
+tokens with and without the draft are compared token for token. `--wirings` serves the draft again with the
+tap ids of the doctor's main alternative wirings, in the engine's words: the engine's acceptance for each is
+the ground truth that `eaglewire doctor --probe` estimates.
 
 This module is engine-neutral: what it needs of an engine (its jobs, its counters per prompt, where it reads
 tap ids, its wirings, what it says it captured) is that engine's `Serving` class, beside its boundary
@@ -203,8 +203,8 @@ def agreement(ours: list[dict], theirs: list[dict]) -> dict:
 
 
 def greedy_identity(plain: list[dict], spec: list[dict], must_match: bool = True) -> dict:
-    """The engine's greedy tokens without and with the draft, prompt by prompt: a divergence at a near-tie
-    (top-2 gap < TIE in the run without the draft) is reported; any other fails the check when `must_match`
+    """The engine's greedy tokens without and with the draft, prompt by prompt. A divergence at a near-tie
+    (top-2 gap < TIE in the run without the draft) is reported. Any other fails the check when `must_match`
     (the engine's Serving.greedy_must_match), and is counted either way."""
     from ..bench.run import first_divergence
 
@@ -252,9 +252,9 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
                 gpu_memory_utilization: float | None = None, engine_args: str | None = None,
                 sglang_python: str | None = None, sglang_path: str | None = None, eager: bool = False, log=None,
                 work=None) -> dict:
-    """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0). chain: draft
-    tokens a step (default 7; with SGLang `engine_args`, the steps they resolve to). eager: no CUDA graphs in the
-    engine's timed runs either (the wirings always run eager)."""
+    """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0). `chain`: draft
+    tokens a step (default 7; with SGLang `engine_args`, the steps they resolve to). `eager`: no CUDA graphs in
+    the engine's timed runs either (the wirings always run eager)."""
     spec, asked = speculative_args(engine_name, engine_args, target)
     if asked is not None:
         if chain is not None and chain != asked.num_steps:

@@ -1,11 +1,11 @@
 """`eaglewire datagen --engine vllm [--tensor-parallel-size N]`: training data whose taps vLLM captured.
 
-The path for targets that do not fit one GPU (the Kimi-K2.5 class) and the one speculators' data generation
-takes: vLLM runs the target (across N GPUs), writes the assistant turns when --regen asks, and hands back the
-residual stream at the taps through its `extract_hidden_states` method (engines/vllm.py, CaptureJob). This
-process never loads the weights (engines/host.py). The tap contract becomes vLLM's ids here and nowhere else:
-vLLM's id j is tap j, and id N, the last layer's output before the final norm, is added for the distillation
-target, which the shards store after the final norm (applied here with the target's own norm).
+The path for targets that do not fit one GPU (the Kimi-K2.5 class), and the one speculators' data generation
+takes. vLLM runs the target (across N GPUs) and writes the assistant turns when --regen asks. It hands back
+the residual stream at the taps through its `extract_hidden_states` method (engines/vllm.py, CaptureJob).
+This process never loads the weights (engines/host.py). The tap contract becomes vLLM's ids here and nowhere
+else: vLLM's id j is tap j. Id N, the last layer's output before the final norm, is added for the
+distillation target. The shards store that after the final norm, applied here with the target's own norm.
 
 The shards and the manifest are datagen's usual ones; the manifest says which engine captured
 (`captured_by`, and `args.capture_engine`, so that a resumed run captures the same way).

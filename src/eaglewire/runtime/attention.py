@@ -5,8 +5,8 @@ copies each K/V head once per query head that shares it. Only 5.24's uncompiled 
 the query heads instead. The runners always pass a mask, and on a GPU they compile, so with sdpa every
 layer of every step copies its whole K/V buffer twice (SmolLM2-135M: 9 query heads on 3 K/V heads).
 
-Here the G query heads of one K/V head become G*T query rows of that head, (B, Hq, T, D) -> (B, Hkv, G*T, D),
-and the mask is repeated G times to match: the same attention over the same keys, without the copies.
+Here the G query heads of one K/V head become G*T query rows of that head, (B, Hq, T, D) -> (B, Hkv, G*T, D).
+The mask is repeated G times to match: the same attention over the same keys, without the copies.
 Fewer, taller heads are not always faster for the attention kernel itself. On a GPU grouped sdpa wins the
 verify rounds of many rows but can lose the one-row step: 3 heads of 3 rows give a fused kernel too little to
 split. A one-row step is therefore spelt as two matmuls and a softmax instead (`matmul_attention`). That wins
@@ -41,7 +41,8 @@ def rows_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                       scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, query (B, Hq, T, D) over key/value (B, Hkv, S, D) with Hkv dividing
-    Hq; mask (B or 1, 1, T, S), or already `rows_mask`'s (.., G*T, S): bool (True = attend) or additive.
+    Hq. The mask is (B or 1, 1, T, S), or already `rows_mask`'s (.., G*T, S): bool (True = attend) or
+    additive.
     Returns (B, Hq, T, Dv)."""
     b, hq, t, d = query.shape
     g = hq // key.shape[1]

@@ -98,9 +98,9 @@ _timed: dict[tuple, bool] = {}  # (in, out, bias, threads, rows) -> whether dens
 def time_layers(layers: list[PackedLinear], rows: tuple[int, ...] = (1, PACK_ROWS)) -> None:
     """Set each layer's `dense_at`: at each row count in `rows`, whether this machine's dense linear beats the
     packed one for its shape. Timed as a forward meets them: a pass calls every layer once in turn, all of
-    them dense or all packed, and adds up each shape's calls, so the weights come from memory as in a step and
-    not from cache (a loop over one layer, whose weight stays in cache, favoured MKL where in a step oneDNN
-    won). Each side's best of TIMING_REPEATS passes; once a shape, row count and thread count a process
+    them dense or all packed, and adds up each shape's calls. So the weights come from memory as in a step,
+    not from cache. A loop over one layer keeps its weight in cache, and favoured MKL where in a step oneDNN
+    won. Each side's best of TIMING_REPEATS passes; once a shape, row count and thread count a process
     (SmolLM2-135M: 8 passes a side of ~25 ms each a row count)."""
     rows = tuple(sorted(set(rows)))
     threads = torch.get_num_threads()

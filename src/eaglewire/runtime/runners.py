@@ -16,9 +16,9 @@ the K/V of its T new tokens at the slots after the committed ones (and after ear
 - `compile=True` runs that forward through `torch.compile` (dynamic=False; the CUDA graph is our own,
   so inductor's fused kernels are what the graph replays).
 
-`TargetRunner` drives an unmodified HF model: its cache is a `transformers.Cache` of `SlotLayer`s
-and the 4D float mask is passed through as-is by HF's mask code (transformers 5.17 and 5.24, eager
-and sdpa attention); taps come from `capture.TapHooks` around the forward. `DraftRunner` drives an
+`TargetRunner` drives an unmodified HF model. Its cache is a `transformers.Cache` of `SlotLayer`s,
+and HF's mask code passes the 4D float mask through as-is (transformers 5.17 and 5.24, eager and
+sdpa attention). Taps come from `capture.TapHooks` around the forward. `DraftRunner` drives an
 `Eagle3Draft` through the cache protocol its attention uses (`append(layer, k, v)`, `length`);
 it lives in decode/draft_runner.py (its drafting loops are the decoder's).
 """
@@ -176,14 +176,14 @@ class SlotRunner:
     @torch.no_grad()
     def forward(self, inputs: dict[str, torch.Tensor], positions: torch.Tensor | int, block: torch.Tensor | None = None,
                 exact: bool = False, pad_to: int | None = None, copy: bool = True) -> tuple[torch.Tensor, ...]:
-        """T new rows: inputs name -> (T, ...), positions (T,) or an int p for p .. p+T-1 (written in place,
-        one launch on CUDA instead of making and copying them), block (T, pending+T) bool = which of this
-        round's rows (earlier pending ones, then the new ones) each new row sees, or None: all earlier
-        pending rows and the new rows up to itself (causal). The committed prefix is always seen.
+        """T new rows: inputs name -> (T, ...), and positions (T,) or an int p for p .. p+T-1 (written in
+        place, one launch on CUDA instead of making and copying them). The bool block (T, pending+T) says
+        which of this round's rows (earlier pending ones, then the new ones) each new row sees. None: all
+        earlier pending rows and the new rows up to itself (causal). The committed prefix is always seen.
         Returns the outputs, each (T, ...). exact: no padding, no graph, not compiled. pad_to: this
-        static size instead of the smallest of `sizes` that fits (a prefill chunk). copy=False: the
-        outputs may be views of a graph's output buffers, valid until this size's next forward (a
-        launch less per output for a caller that is done with them by then).
+        static size instead of the smallest of `sizes` that fits (a prefill chunk). With copy=False
+        the outputs may be views of a graph's output buffers, valid until this size's next forward.
+        That saves a launch per output for a caller that is done with them by then.
         Inputs already on the device avoid a host-to-device copy (a stream sync on CUDA)."""
         t = positions.shape[0] if isinstance(positions, torch.Tensor) else len(next(iter(inputs.values())))
         start = self.length + self.pending
@@ -303,9 +303,10 @@ class SlotRunner:
 
     def make_function(self, key: tuple, fn, inputs: dict[str, torch.Tensor], *args, compile: bool = True
                       ) -> StaticFunction:
-        """fn(inputs, *args) over the fixed buffers `inputs` as the static function `key`, returned: compiled
-        if the runner compiles and `compile` (False: eager inside its graph, for a few index copies with nothing
-        to fuse), eager until the K/V buffers are made (_kv_made); captured on CUDA with graphs."""
+        """fn(inputs, *args) over the fixed buffers `inputs` as the static function `key`, returned. It is
+        compiled if the runner compiles and `compile` (False: eager inside its graph, for a few index copies
+        with nothing to fuse). It runs eager until the K/V buffers are made (_kv_made), and is captured on CUDA
+        with graphs."""
         compiled = torch.compile(fn, dynamic=False, options=compile_options(self.device, self.autotune)) \
             if self.compiles and compile else None
 
@@ -328,7 +329,7 @@ class SlotRunner:
 
     def static_inputs(self, rows: int, example: dict[str, torch.Tensor], scratch: int) -> dict[str, torch.Tensor]:
         """Input buffers of a static forward of `rows` rows: each input (1, rows, ...) like example's (rows, ...),
-        pos (1, rows), block (rows, max_pending + rows), at (2,) = [committed length, first slot written]; a
+        pos (1, rows), block (rows, max_pending + rows), at (2,) = [committed length, first slot written]. A
         capture's writes land in the last `scratch` slots."""
         s, dev = self.book.max_len, self.device
         inputs = {k: torch.zeros(1, rows, *v.shape[1:], dtype=v.dtype, device=dev) for k, v in example.items()}
@@ -402,8 +403,8 @@ class TargetRunner(SlotRunner):
 
     def _tapped_forward(self, feed, view_len):
         """masked_forward, traced under TapHooks. A function of its own, so compiled graphs are never
-        shared with a runner without taps: dynamo does not guard on module hooks, and would run a
-        graph traced without them (e.g. the plain runner's, at the same prefill size) and lose the taps."""
+        shared with a runner without taps. Dynamo does not guard on module hooks: it would run a graph
+        traced without them (e.g. the plain runner's, at the same prefill size) and lose the taps."""
         return self.masked_forward(feed, view_len)
 
     def _call(self, feed, view_len, compiled=True, tuned=True):
