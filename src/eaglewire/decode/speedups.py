@@ -7,7 +7,8 @@ speed-up switch); the decoder runs copies that share every tensor the speed-ups 
   1. fused projections (runtime/projections.py): q/k/v and gate/up one matmul each, target and draft. A decode step of
      a small model on a GPU is bound by its kernel count, which inductor does not cut by merging these itself.
      On a GPU a compiled plain step is about a fifth faster; on a CPU the gain is within noise (`eaglewire bench
-     --no-fuse-projections` against the default measures it). Auto: on for targets up to FUSE_MAX_PARAMS; the copy holds those projections twice, which a big target cannot spare.
+     --no-fuse-projections` against the default measures it). Auto: on for targets up to FUSE_MAX_PARAMS; the
+     copy holds those projections twice, which a big target cannot spare.
   2. prepacking (runtime/prepack.py): linear layers over oneDNN-packed weights, each shape timed at the row counts its
      runner will run (the target: a step, PACK_ROWS, the verify; the draft: its extends and steps). Auto: on for
      fp32 on a CPU, not with compile (inductor lays weights out itself and cannot trace oneDNN tensors). The
