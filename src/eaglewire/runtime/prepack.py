@@ -37,8 +37,8 @@ from ..targets import shared_copy
 
 MIN_WEIGHTS = 1 << 16  # SmolLM2-135M's smallest projection (k_proj) has 110,592
 # The row count oneDNN lays a weight out for. Laid out for 8 rows, a SmolLM2 projection serves 1 to
-# 64 rows as fast as or faster than one laid out for 1 (2 cores: the 49152-wide lm_head, 8 rows:
-# 2.8 ms against 4.2; 1 row: 2.3 against 1.9), and decoding verifies several rows at a time.
+# 64 rows about as fast as one laid out for 1, or faster: the 49152-wide lm_head is a third faster at
+# 8 rows and a little slower at 1. Decoding verifies several rows at a time.
 PACK_ROWS = 8
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
