@@ -219,9 +219,10 @@ def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
 
 def draft_from_tensors(config: DraftConfig, tensors: dict[str, torch.Tensor], *, where: str,
                        config_name: str = "config.json", check_vocab: bool = True) -> Eagle3Draft:
-    """An Eagle3Draft (eval mode) holding exactly `tensors`, not copied: the names must be the draft's and
+    """An Eagle3Draft (eval mode) holding exactly `tensors`, not copied. The names must be the draft's and
     the shapes fit `config`, else one UsageError naming `where` and the tensors (`config_name` says where
-    the config came from). check_vocab: d2t/t2d validated too (a foreign reader validates its own).
+    the config came from). With `check_vocab`, d2t/t2d are validated too (a foreign reader validates its
+    own).
     Every native checkpoint and every imported draft is built here."""
     want = expected_shapes(config)
     missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))

@@ -250,8 +250,8 @@ class Eagle3Draft(nn.Module):
 
     def deepened(self, num_layers: int) -> "Eagle3Draft":
         """A copy with decoder layers added after its own, each starting as the identity (its o_proj and down_proj
-        zero, so the residual passes through): the deeper draft predicts exactly as this one until training moves
-        the new layers (block expansion, as LLaMA Pro grows a model), instead of starting from scratch."""
+        zero, so the residual passes through). The deeper draft predicts exactly as this one until training moves
+        the new layers, instead of starting from scratch (block expansion, as LLaMA Pro grows a model)."""
         c, p = self.config, self.fc.weight
         if num_layers <= c.num_layers:
             raise UsageError(f"a draft of {c.num_layers} layer(s) deepens to more, not to {num_layers}")

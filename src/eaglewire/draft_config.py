@@ -29,7 +29,7 @@ class DraftConfig:
     every flag explicitly in each engine's words.
 
     norm_before_residual: layer 0's residual is hidden_norm(h) instead of the raw fused h.
-        speculators (models/eagle3/model_definitions.py) and vLLM (llama_eagle3.py, read with
+        The speculators project (models/eagle3/model_definitions.py) and vLLM (llama_eagle3.py, read with
         getattr(.., False)) mean the same; the speculators trainer defaults it to True
         (train/config/schema.py), its config class to False; SGLang hard-codes False.
     norm_before_fc: ONE RMSNorm over the whole concatenated fc input (n*Ht wide) before fc
@@ -47,7 +47,7 @@ class DraftConfig:
     sliding_window: None (full causal attention) or W: every draft layer's query at position p sees
         only keys at positions > p - W (transformers' and vLLM's meaning: vllm
         model_executor/models/llama.py:182-201 gives a "sliding_attention" layer config.sliding_window).
-        speculators trains its draft layer with W = 2048 by default.
+        The speculators project trains its draft layer with W = 2048 by default.
     """
 
     hidden_size: int

@@ -1,10 +1,10 @@
 """Artefact I/O: how eaglewire writes its files and directories, and reads JSON and safetensors.
 
-Writing. A file is written to a temporary file in its own folder (a hidden name ending in `.tmp`,
-which a resuming writer may delete as the remains of a killed run), flushed, fsynced and renamed
-over its final name with os.replace. A directory (a checkpoint, an export, a resume state) is
-built in a temporary sibling, every file in it fsynced, and renamed into place; inside it files
-are written plainly, the directory being the unit that appears whole or not at all.
+Writing. A file is written to a temporary file in its own folder, flushed, fsynced and renamed over
+its final name with os.replace. The temporary file has a hidden name ending in `.tmp`, which a
+resuming writer may delete as the remains of a killed run. A directory (a checkpoint, an export, a
+resume state) is built in a temporary sibling, every file in it fsynced, and renamed into place.
+Inside it files are written plainly: the directory is the unit that appears whole or not at all.
 
 fsync policy, the same everywhere: file data is fsynced before the rename that publishes it, so a
 crash right after the rename cannot expose a file whose blocks never reached the disk. The folder
@@ -40,9 +40,9 @@ def file_digest(path: str | Path, algorithm: str = "sha256") -> str:
 
 
 def text_lines(text: str) -> list[str]:
-    """A JSONL or text file's lines: split at "\\n" (a "\\r" before it dropped) only. str.splitlines also splits at
-    U+2028, U+0085 and other separators that a JSON string may hold raw (json.dumps(..., ensure_ascii=False)
-    writes them so), which cut one record in two "malformed" halves."""
+    """A JSONL or text file's lines: split at "\\n" (a "\\r" before it dropped) only. `str.splitlines` also splits
+    at U+2028, U+0085 and other separators that a JSON string may hold raw (json.dumps(..., ensure_ascii=False)
+    writes them so). Those cut one record in two "malformed" halves."""
     return [line.removesuffix("\r") for line in text.split("\n")]
 
 
@@ -110,9 +110,10 @@ def atomic_dir(out: str | Path, *, tmp: Path | None = None, old: Path | None = N
     Yields the temporary directory. When the block ends every file in it is fsynced; an existing `out`
     is moved aside, the new one renamed in, the previous one deleted. If renaming the new one in fails,
     the previous one is put back. On any error the temporary directory is deleted.
-    tmp, old: fixed paths for the temporary directory and for the previous `out` while it waits, for a
-    caller whose readers look there after a kill (the trainer's resume state falls back to its .old);
-    by default fresh hidden siblings named after `out`. A fixed `old` is kept when the write fails.
+    `tmp`, `old`: fixed paths for the temporary directory and for the previous `out` while it waits.
+    They serve a caller whose readers look there after a kill (the trainer's resume state falls back
+    to its .old). By default they are fresh hidden siblings named after `out`. A fixed `old` is kept
+    when the write fails.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -118,10 +118,10 @@ def first_turns(path: Path, limit: int | None, turns: int | None = 1,
                 replies: bool = False) -> tuple[list[list[dict]], dict]:
     """Conversations that open with a user turn (after an optional system message), cut to their first
     `turns` user turns (None: all); the assistant turns are dropped (the target writes its own). A conversation
-    whose kept turns repeat an earlier one's is dropped: greedy regeneration would give it the same
-    replies, which would sit on both sides of the held-out split (ShareGPT: ~7% of first turns).
-    replies: keep the file's own replies instead, through the last kept user turn's (a conversation
-    without one is dropped): the dataset's text to train on beside the target's."""
+    whose kept turns repeat an earlier one's is dropped. Greedy regeneration would give it the same replies,
+    which would sit on both sides of the held-out split (ShareGPT: ~7% of first turns). `replies`: keep the
+    file's own replies instead, through the last kept user turn's (a conversation without one is dropped): the
+    dataset's text to train on beside the target's."""
     text, notes = prompts.read_text(path), []
     convs, seen, skipped, duplicates, keys, unanswered = [], 0, 0, 0, set(), 0
     for _, rec in prompts.iter_records(text, path, notes):

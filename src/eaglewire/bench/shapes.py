@@ -3,10 +3,11 @@ same prompts in one run.
 
 Which shape is fastest depends on the target, the draft and the machine: a longer chain or a deeper tree
 accepts more, but each level is one more draft step and a wider tree a larger verify. So it is measured,
-as SGLang's `bench_speculative.py` sweeps steps, topk and draft tokens. HF `generate` (unless --no-hf) and
-our decoder without a draft run first, in turn prompt by prompt; then the draft in each shape, every shape with
-its own warm-up and timed in turn with our decoder without a draft again, so that each row's "x base" compares
-runs made in the same minutes. Its "x hf" is that ratio times the first pass's base/hf (HF is slow to time twice).
+as SGLang's `bench_speculative.py` sweeps steps, topk and draft tokens. HF `generate` (unless --no-hf) and our
+decoder without a draft run first, in turn prompt by prompt. Then the draft runs in each shape, every shape with
+its own warm-up. Each shape is timed in turn with our decoder without a draft again, so that each row's "x base"
+compares runs made in the same minutes. Its "x hf" is that ratio times the first pass's base/hf (HF is slow to
+time twice).
 Each row names the shape in the engines' words (interop/serve.py's rules: SGLang counts the
 verified root among its draft tokens; vLLM runs chains), and the report ends with the fastest and the
 export command for it. Prints the table, writes JSON and a PNG of tokens/s against acceptance length.
@@ -78,8 +79,8 @@ def _release(device: torch.device) -> None:
 def run_shapes(target, draft, suite: str, shapes: list[dict], *, json_out=None, plot=None, log=None,
                **settings) -> dict:
     """(a) HF generate and (b) our decoder without a draft once (interleaved prompt by prompt), then the draft
-    in each of `shapes` (`parse_shapes`' dicts, one shape's graphs alive at a time) on the same prompts; returns
-    the result dict (written to `json_out`)."""
+    in each of `shapes` on the same prompts. The shapes are `parse_shapes`' dicts, one shape's graphs alive at a
+    time. Returns the result dict (written to `json_out`)."""
     if not shapes:
         raise UsageError("--shapes: name at least one shape, e.g. chain:7")
     cfg = BenchConfig(suite=suite, **settings)

@@ -2,11 +2,11 @@
 KV cache, the decode step captured in one CUDA graph per (rows, width), no compilation.
 
 transformers' `generate` with a static cache compiles its decode step (about a minute per new
-shape) and, under an attention mask, its SDPA path copies K/V to every query head (`repeat_kv`):
-at 2048 rows that copy is most of a step's memory traffic. Here the step attends with the query
-heads grouped onto their K/V head (attention.py), so K/V are read once, and the graph replays
-eager kernels: at thousands of rows each kernel is large, so fusing them buys little and the
-capture takes a second.
+shape). Under an attention mask, its SDPA path also copies K/V to every query head (`repeat_kv`): at
+2048 rows that copy is most of a step's memory traffic. Here the step attends with the query heads
+grouped onto their K/V head (attention.py), so K/V are read once. The graph replays eager kernels:
+at thousands of rows each kernel is large, so fusing them buys little and the capture takes a
+second.
 
 Rows are left-padded to a common width W; row r's prompt starts at column pad[r]. Step t writes
 every row's K/V at slot W + t and attends to columns pad[r] .. W + t; positions count from each

@@ -2,8 +2,8 @@
 
 The prompt set is processed in chunks of `shard_size` conversations, in file order. A chunk is
 regenerated (if asked), encoded with the chat template, captured in length-sorted batches (one
-forward each) and committed as one shard together with the position it reaches; a rerun of the
-same command resumes from the manifest's position, so a killed run loses and repeats nothing.
+forward each) and committed as one shard together with the position it reaches. A rerun of the same
+command resumes from the manifest's position, so a killed run loses and repeats nothing.
 """
 
 from __future__ import annotations

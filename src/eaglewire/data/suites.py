@@ -219,9 +219,9 @@ def load_suite(spec: str, limit: int | None = None) -> SuitePrompts:
     """A suite by name (SUITES: `mt-bench`, `humaneval`, `gsm8k`, `arena-hard`, `alpaca-eval`) or a prompt FILE,
     cut to `limit` prompts.
 
-    A named suite is cut to prompts evenly spaced over the file: MT-bench lists its questions by
-    category (writing first), so its first 12 would be 10 writing and 2 roleplay questions, far
-    less predictable than the suite as a whole. A FILE is cut to its first `limit` prompts.
+    A named suite is cut to prompts evenly spaced over the file. MT-bench lists its questions by
+    category (writing first), so its first 12 would be 10 writing and 2 roleplay questions, far less
+    predictable than the suite as a whole. A FILE is cut to its first `limit` prompts.
     """
     if limit is not None and limit < 1:
         raise UsageError(f"--max-prompts {limit}: give at least 1")

@@ -3,17 +3,17 @@
 No model calls, batch size 1. Index convention shared by every function (it is the order of the
 one target forward over [root] + draft tokens):
 
-    target row 0       = the target's output at the ROOT (the last committed token): the
-                         distribution of the first draft token / of the children of the root;
-    target row 1 + i   = the target's output at draft token / tree node i: the distribution of
-                         the token that follows it (for the last chain token: the bonus token).
+    target row 0       = the target's output at the ROOT (the last committed token). It is the
+                         distribution of the first draft token / of the children of the root.
+    target row 1 + i   = the target's output at draft token / tree node i. It is the distribution
+                         of the token that follows it (for the last chain token: the bonus token).
 
 Each rule is written once, on the device, as a function with no read-back and no control flow that
 depends on the data (`chain_verdict`, `chain_sampling_verdict`, `tree_verdict`, `tree_sampling_verdict`):
 rounds.py calls them inside its CUDA graphs. The verify_* functions are the same rules for decode.py's
-synced rounds: the verdict read back to the host in one copy, as what was accepted (a count, or a tree's
-node path) and the tokens the round commits: the accepted draft tokens and ONE more token (the correction
-or the bonus), so a round always commits n_accepted + 1 tokens.
+synced rounds. Their verdict is read back to the host in one copy: what was accepted (a count, or a
+tree's node path) and the tokens the round commits. Those are the accepted draft tokens and ONE more
+token (the correction or the bonus), so a round always commits n_accepted + 1 tokens.
 
 Two proposal kinds need two different rules to be lossless (the emitted tokens have exactly the
 target's sampling distribution):
@@ -23,7 +23,7 @@ target's sampling distribution):
   step in gpt-fast generate.py `speculative_decode`). Only for chains: `verify_chain_sampling`
   with `draft_probs`.
 - DETERMINISTIC candidates (argmax or top-k of the draft, as EAGLE-2 trees and greedy chains
-  choose them): a point-mass proposal, so the rule above becomes "try the candidates in order,
+  choose them): a point-mass proposal. The rule above then becomes "try the candidates in order,
   accept c with the residual target probability r(c), else set r(c) = 0, renormalise, try the
   next; if none is accepted sample from the residual". That sequence picks candidate c with
   probability exactly p(c) and any other token x with probability p(x), i.e. it equals: draw
@@ -82,10 +82,11 @@ def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor, max_depth: 
     """Greedy tree verification.
 
     target_logits (n+1, V): row 0 at the root, row 1 + i at node i (tree_attention's order).
-    Returns (path, tokens): path = accepted node indices from depth 1 down (the longest
-    root-to-node path whose tokens all equal the target's argmax); tokens = theirs, then the
+    Returns (path, tokens). `path` = accepted node indices from depth 1 down: the longest
+    root-to-node path whose tokens all equal the target's argmax. `tokens` = theirs, then the
     target's argmax after the last accepted node (after the root if path is empty). max_depth: a
-    bound on the tree's depth the caller knows (fewer passes of `tree_verdict`); None: its node count.
+    bound on the tree's depth the caller knows (fewer passes of `tree_verdict`); None: its node
+    count.
     """
     _check_rows(target_logits, tree.num_nodes + 1, "target_logits")
     return _tree_read_back(*tree_verdict(tree.tokens, tree.parents, tree.depth, target_logits.argmax(-1),
@@ -123,9 +124,9 @@ def chain_verdict(draft_tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[tor
 
 def chain_sampling_verdict(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                            u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampled chain rule (speculative sampling), with its K + 1 uniform draws given: accept token i while
-    u[i] * q_i(x_i) < p_i(x_i) (probability min(1, p/q); never a token the target cannot emit), then draw
-    the correction from norm(max(p_n - q_n, 0)), or the bonus from p_K, with u[K] (`sample_with`).
+    """The sampled chain rule (speculative sampling), with its K + 1 uniform draws given. Accept token i while
+    u[i] * q_i(x_i) < p_i(x_i) (probability min(1, p/q); never a token the target cannot emit). Then draw the
+    correction from norm(max(p_n - q_n, 0)), or the bonus from p_K, with u[K] (`sample_with`).
     Returns (n (1,), row (K + 1,)): row[:n] the accepted draft tokens, row[n] the drawn one."""
     k = draft_tokens.shape[0]
     idx = draft_tokens.long()[:, None]
@@ -143,13 +144,14 @@ def chain_sampling_verdict(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
 def tree_verdict(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, chosen: torch.Tensor,
                  max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The greedy tree rule (DraftTree's fields, nodes (N,)): a node is accepted when its token is chosen[row of
-    its parent] and its parent is accepted; chosen (N+1,) the target's token at each row (row 0 the root, row
-    1 + i node i): its argmax (greedy), or a draw from its distribution (the lossless rule for EAGLE-2's
-    deterministic candidates, `tree_sampling_verdict`). Siblings hold distinct tokens, so the accepted nodes
-    form one path. max_depth bounds the tree's depth (L = min(max_depth, N) levels).
-    Returns (n (1,), rows (L+1,), committed (L+1,)): rows[:n+1] the root's row and the path's, level by level
-    (a level past the path: its own index, L+1 entries whatever n); committed = chosen[rows], whose first
-    n + 1 are the path's tokens and the token after them. Padding nodes of depth 0 are never accepted."""
+    its parent] and its parent is accepted. The target's token at each row is `chosen` (N+1,) (row 0 the root,
+    row 1 + i node i). It is the row's argmax (greedy), or a draw from its distribution (the lossless rule for
+    EAGLE-2's deterministic candidates, `tree_sampling_verdict`). Siblings hold distinct tokens, so the accepted
+    nodes form one path. max_depth bounds the tree's depth (L = min(max_depth, N) levels).
+    Returns (n (1,), rows (L+1,), committed (L+1,)). rows[:n+1] are the root's row and the path's, level by
+    level (a level past the path: its own index, L+1 entries whatever n). Then `committed` =
+    chosen[rows], whose first n + 1 are the path's tokens and the token after them. Padding nodes of
+    depth 0 are never accepted."""
     n_nodes = parents.shape[0]
     parent_row = parents + 1
     ok = tokens.to(chosen.device) == chosen.index_select(0, parent_row)

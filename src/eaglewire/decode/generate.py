@@ -174,5 +174,6 @@ def register(sub) -> None:
                    help="plain nn.Linear on a CPU (default: oneDNN-packed weights in fp32)")
     p.add_argument("--compile", action="store_true", help="torch.compile the forwards (fused kernels, on CUDA "
                    "autotuned matmuls in a plain step; the first steps of each size compile, minutes on CUDA: "
-                   "worth it for long outputs; on a CPU a C++ compiler is needed, ~20%% faster steps on an Intel Xeon)")
+                   "worth it for long outputs; on a CPU a C++ compiler is needed, and steps can be ~20%% faster: "
+                   "measure both)")
     p.set_defaults(func=cmd_generate)

@@ -5,22 +5,24 @@ speed-up switch); the decoder runs copies that share every tensor the speed-ups 
 `apply`'s order, each step on the last one's result:
 
   1. fused projections (runtime/projections.py): q/k/v and gate/up one matmul each, target and draft. A decode step of
-     a small model on a GPU is bound by its kernel count, which inductor does not cut by merging these itself
-     (SmolLM2-135M, a plain step: H200 compiled 1.51 -> 1.21 ms; 2-core CPU within noise). Auto: on for targets
-     up to FUSE_MAX_PARAMS; the copy holds those projections twice, which a big target cannot spare.
+     a small model on a GPU is bound by its kernel count, which inductor does not cut by merging these itself.
+     On a GPU a compiled plain step is about a fifth faster; on a CPU the gain is within noise (`eaglewire bench
+     --no-fuse-projections` against the default measures it). Auto: on for targets up to FUSE_MAX_PARAMS; the
+     copy holds those projections twice, which a big target cannot spare.
   2. prepacking (runtime/prepack.py): linear layers over oneDNN-packed weights, each shape timed at the row counts its
      runner will run (the target: a step, PACK_ROWS, the verify; the draft: its extends and steps). Auto: on for
      fp32 on a CPU, not with compile (inductor lays weights out itself and cannot trace oneDNN tensors). The
      draft is packed where the target was.
   3. grouped attention (runtime/attention.py): query heads that share K/V heads read each one in place instead of a copy
      per query head: the target through `grouped_sdpa` (a copy whose config switches from sdpa), the draft's
-     attention modules wrapped in `GroupedDraftAttention`. Auto: on CUDA, where it won every round on the H200
-     (plain step 1.104 -> 1.046 ms, chain and tree rounds by 1-3%); not on a CPU, where it was mixed (2-core:
-     plain 22.1 -> 22.5 ms, chain 3 33.3 -> 31.9 ms; benchmarks/results/2026-11-30-run11-slots-regeneration.md).
+     attention modules wrapped in `GroupedDraftAttention`. Auto: on CUDA, where it wins the plain step and the
+     chain and tree rounds by a few percent. Not on a CPU, where it is mixed: a plain step a little slower, a
+     chain round a little faster. `python benchmarks/decode_steps.py --random-draft --attention sdpa,grouped`
+     measures it (measured: benchmarks/results/).
   4. static shapes, torch.compile, CUDA graphs: the runners' (runtime/runners.py), built last with
-     `Speedups.runner_options` (their sizes are the decoder's shape). compile runs their static forwards through
+     `Speedups.runner_options` (their sizes are the decoder's shape). `compile` runs their static forwards through
      torch.compile (inductor fuses a decoder layer's many small kernels; with graphs the compiled forward is
-     what is captured); both imply static shapes, which a CPU can run alone to check that logic.
+     what is captured). Both imply static shapes, which a CPU can run alone to check that logic.
 
 Steps 1-3 copy a model only where it is still the caller's: the caller's target and draft, and their configs,
 are never changed.
@@ -71,9 +73,10 @@ class Speedups:
 
 @dataclass(frozen=True, kw_only=True)
 class Applied:
-    """What `apply` did to the target (False where a speed-up was asked for and found nothing to change: no
-    q/k/v or gate/up group, no layer worth packing, no shared K/V heads or not sdpa), and the packed layers'
-    choices (prepack.choices: which of MKL and oneDNN each shape calls; None when nothing is packed)."""
+    """What `apply` did to the target, and the packed layers' choices (prepack.choices: which of MKL and
+    oneDNN each shape calls; None when nothing is packed). A speed-up is False where it was asked for and
+    found nothing to change: no q/k/v or gate/up group, no layer worth packing, no shared K/V heads or not
+    sdpa."""
 
     fuse_projections: bool
     prepack: bool
@@ -84,9 +87,9 @@ class Applied:
 def apply(target_model: nn.Module, draft: nn.Module | None, speedups: Speedups, *, verify_rows: int | None = None,
           draft_rows: tuple[int, ...] = ()) -> tuple[nn.Module, nn.Module | None, Applied]:
     """(target model, draft, what was applied) for decoding: steps 1-3 of the module docstring, in order, on the
-    models as they are placed (the draft on the target's device and dtype). verify_rows: the rows of the
-    target's verify (None without a draft); draft_rows: the draft's static sizes. Raises UsageError for a
-    speed-up the device cannot run."""
+    models as they are placed (the draft on the target's device and dtype). `verify_rows`: the rows of
+    the target's verify (None without a draft). `draft_rows`: the draft's static sizes. Raises UsageError
+    for a speed-up the device cannot run."""
     p = next(target_model.parameters())
     if speedups.cuda_graphs and p.device.type != "cuda":
         raise UsageError(f"CUDA graphs need the target on a CUDA device, it is on {p.device}")

@@ -36,14 +36,15 @@ ROOT = -1  # parent id of the children of the root, and the frontier id of the r
 
 # Orders of up to this many scores (a level's candidates, the grown tree before pruning) are found by ranking every
 # pair: a few kernels that a compiled round fuses, where aten's stable sort is a cub radix sort of several launches
-# (14 sorts in a d7 k8 tree round profiled on an H200, benchmarks/results/2026-11-30-run13-shapes-in-one-run.md).
-# 0 = aten's sort always.
+# (a d7 k8 tree round sorts 14 times; `python benchmarks/round_kernels.py --random-draft --modes tree` lists a
+# round's kernels). 0 = aten's sort always.
 RANK_SORT_MAX = 1024
 # A draft's top-k over its vocabulary (k small) comes from the k groups of TOPK_GROUP logits with the highest maxima,
 # which hold every value of the top k whatever the ties, each step ordered by ranking: a few kernels that a compiled
 # round fuses. aten's top-k (of whole rows, or of groups of 1,024 and then of those, as before these groups) is a
-# radix select and a bitonic sort of its result: two of each a level, 0.25 ms of a d6 k8 b63 round on an H200
-# (profiled in benchmarks/results/2026-11-30-run18-tree-topk-by-groups.md). 0 = aten's top-k as is. Only on
+# radix select and a bitonic sort of its result: two of each a level, a share of a tree round on a GPU that
+# `python benchmarks/decode_steps.py --random-draft --modes tree --tree-select ours,aten` measures. 0 = aten's
+# top-k as is. Only on
 # TOPK_GROUP_DEVICES: on a CPU aten's top-k is one cheap pass, and an eager ranking costs what it compares (~30x
 # aten's top-k of 8 rows of 32,000).
 TOPK_GROUP = 64
@@ -156,9 +157,10 @@ def expand(tree: DraftTree, frontier: torch.Tensor, cand_tokens: torch.Tensor, c
     frontier (F,) int64: the nodes the draft just ran on (ROOT for the first step).
     cand_tokens (F, k) int64: the draft's top-k tokens after each frontier node (target ids).
     cand_logprobs (F, k) float: their draft log-probs (log_softmax, so <= 0).
-    Returns the tree with all F*k candidates appended (row-major: frontier node f's candidates are
-    nodes n0 + f*k .. n0 + f*k + k - 1) and the next frontier (min(topk, F*k),): the appended nodes
-    with the highest cumulative score, best first, ties to the lower index.
+    Returns the tree with all F*k candidates appended, and the next frontier (min(topk, F*k),). The
+    candidates are row-major: frontier node f's are nodes n0 + f*k .. n0 + f*k + k - 1. The next
+    frontier is the appended nodes with the highest cumulative score, best first, ties to the lower
+    index.
     """
     if cand_tokens.shape != cand_logprobs.shape or cand_tokens.shape[:1] != frontier.shape:
         raise ValueError(f"expand: frontier {tuple(frontier.shape)}, cand_tokens {tuple(cand_tokens.shape)} and "
@@ -190,14 +192,14 @@ def grow(root_logits: torch.Tensor, root_hidden: torch.Tensor, depth: int, topk:
     """The EAGLE-2 draft loop: top-k children of each frontier node, the best top-k (cumulative
     log-prob) form the next frontier, `depth` levels (not pruned).
 
-    root_logits (Vd,) and root_hidden (H,): the draft's output at the root. to_target maps draft
-    ids to target ids. forward(tokens (F,), hidden (F, H), block (F, C+F) bool, depth (F,)) runs
-    the draft on a frontier and returns (logits (F, Vd), hidden (F, H)); block is what each row
-    sees of this round's rows (the C earlier frontiers' nodes in order, then its own: frontier_attention's
-    rule), depth its distance from the root. Static shapes throughout, no host sync: it can run inside a graph.
+    root_logits (Vd,) and root_hidden (H,) are the draft's output at the root. `to_target` maps draft
+    ids to target ids. `forward(tokens (F,), hidden (F, H), block (F, C+F) bool, depth (F,))` runs the draft on a
+    frontier and returns (logits (F, Vd), hidden (F, H)). Its `block` is what each row sees of this round's
+    rows: the C earlier frontiers' nodes in order, then its own (frontier_attention's rule). Its `depth` is
+    each row's distance from the root. Static shapes throughout, no host sync: it can run inside a graph.
 
-    Every frontier node is a child of the last frontier, so its row of the block is its parent's row and
-    its own column, and its input hidden state is its parent's output: nothing is looked up in the whole tree.
+    Every frontier node is a child of the last frontier. So its row of the block is its parent's row and its
+    own column, and its input hidden state is its parent's output: nothing is looked up in the whole tree.
     """
     dev = root_logits.device
     tree, frontier = DraftTree.empty(dev), root_frontier(dev)
@@ -268,8 +270,8 @@ def tree_attention(tree: DraftTree, prefix_len: int, max_depth: int | None = Non
 
     prefix_len: tokens already in the target's KV cache (everything before the root).
     Returns mask (1, 1, n+1, prefix_len+n+1) bool, True = may attend: every row sees the prefix and
-    the root, node rows also see their ancestors and themselves; and position_ids (n+1,) int64:
-    prefix_len for the root, prefix_len + depth for the nodes. Row/column 1 + i is node i.
+    the root, node rows also see their ancestors and themselves. Also returns position_ids (n+1,)
+    int64: prefix_len for the root, prefix_len + depth for the nodes. Row/column 1 + i is node i.
     """
     n = tree.num_nodes
     mask = torch.zeros(n + 1, prefix_len + n + 1, dtype=torch.bool, device=tree.device)

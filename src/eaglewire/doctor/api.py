@@ -66,9 +66,10 @@ def _infer_engine(text: str, fallback: str | None) -> str:
 class DoctorRequest:
     """What to examine and how: `diagnose`'s one argument; `eaglewire doctor` maps its flags to it (cli.py).
 
-    draft: the directory; target: a spec, a loaded targets.Target or (API) a TargetFacts fingerprint;
-    probe: prompts to measure on (0: static checks only), from `prompts` (written replies) or `suite`
-    (the target's own continuations); records: the native checkpoint whose record an export lacks.
+    `draft`: the directory. `target`: a spec, a loaded targets.Target or (API) a TargetFacts
+    fingerprint. `probe`: prompts to measure on (0: static checks only), from `prompts` (written
+    replies) or `suite` (the target's own continuations). `records`: the native checkpoint whose
+    record an export lacks.
     """
 
     draft: object

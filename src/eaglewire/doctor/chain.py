@@ -2,9 +2,9 @@
 target accepts when a round starts at each position, and what a decoder walking the sequence sees.
 
 Token alignment (docs/ARCHITECTURE.md): a round that starts at position t has extended the draft
-with the taps of positions <= t and the token x_{t+1}; step k (0-based) reads x_{t+1+k} and its own
-previous hidden state at RoPE position t+k, attends to the extend's keys <= t and to its own earlier
-steps, and must reproduce the target's argmax at t+1+k, i.e. the token x_{t+2+k}. That is
+with the taps of positions <= t and the token x_{t+1}. Step k (0-based) reads x_{t+1+k} and its own
+previous hidden state at RoPE position t+k. It attends to the extend's keys <= t and to its own
+earlier steps, and must reproduce the target's argmax at t+1+k, i.e. the token x_{t+2+k}. That is
 `SpecDecoder._draft_chain` (and TTT's unroll, which trains for it). On the target's own greedy
 continuation the token fed at step k is the draft's own when every earlier step was accepted, so the
 run of leading hits is exactly what verify_chain_greedy accepts there.
@@ -24,12 +24,13 @@ import torch
 class Tally:
     """One sequence under one wiring.
 
-    starts: positions where a round can start (the token it predicts first is a continuation token);
-    hits1: of those, where the first drafted token is the target's; walk_tokens / walk_rounds: what a
-    decoder walking the continuation commits and how many rounds it takes (accepted + the bonus token a
-    round); walk_accepted: (K,) rounds whose k-th draft token was accepted; reached / kept: (K,) chains,
-    over every start, that reached step k and that hit there (conditional acceptance);
-    all_starts_tokens: sum over every start of 1 + its run (the trainer's uniform estimate).
+    `starts`: positions where a round can start (the token it predicts first is a continuation token).
+    `hits1`: of those, where the first drafted token is the target's. `walk_tokens` / `walk_rounds`:
+    what a decoder walking the continuation commits and how many rounds it takes (accepted + the bonus
+    token a round). `walk_accepted`: (K,) rounds whose k-th draft token was accepted. `reached` /
+    `kept`: (K,) chains, over every start, that reached step k and that hit there (conditional
+    acceptance). `all_starts_tokens`: sum over every start of 1 + its run (the trainer's uniform
+    estimate).
     """
 
     starts: int
@@ -48,9 +49,9 @@ def run_lengths(draft, taps: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
     """Accepted run of a K-token greedy chain at every start: every position t whose token x_{t+1} and
     next x_{t+2} belong to the continuation (the turn's first token is the target's, from its prefill).
 
-    taps (T, n*H) as the engine would feed them; ids (T,) the sequence; mask (T,) bool: continuation
-    tokens; top (T,) the target's argmax at each position (predicting the next token).
-    -> (starts (T,) bool, runs (T,) long (0 where not a start), reached (K,), kept (K,)).
+    `taps` (T, n*H) as the engine would feed them; `ids` (T,) the sequence; `mask` (T,) bool:
+    continuation tokens. `top` (T,) is the target's argmax at each position (predicting the next
+    token). -> (starts (T,) bool, runs (T,) long (0 where not a start), reached (K,), kept (K,)).
     """
     dev = draft.fc.weight.device
     T = ids.numel()

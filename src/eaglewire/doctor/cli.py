@@ -112,7 +112,7 @@ def register(sub) -> None:
                    help="the serve command's arguments as one quoted string; write --engine-args=\"--flag ...\" "
                         "when it is a single flag")
     p.add_argument("--probe", type=cli_args.positive_int, default=0, metavar="N",
-                   help="measure on N distinct prompts (needs --target; 32 take a few minutes on a 2-core CPU; "
+                   help="measure on N distinct prompts (needs --target; 32 take minutes on a CPU, seconds on a GPU; "
                         "default: no probe)")
     cli_args.add_suite(p, default=None, metavar="NAME|FILE", help="the probe's prompts: a bench suite "
                        "(mt-bench, humaneval, gsm8k, arena-hard, alpaca-eval) or a prompt file, continued by the target (default: 76 built-in)")

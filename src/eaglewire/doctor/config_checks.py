@@ -1,6 +1,7 @@
-"""Static checks of the architecture fields an engine builds the draft from (config.json beyond the taps,
-the fc, the norm flags and the vocabulary maps): against the draft's own tensors, its training record and
-its target. docs/DOCTOR.md "Architecture fields" has the table with the engines' file:line.
+"""Static checks of the architecture fields an engine builds the draft from: config.json beyond the taps,
+the fc, the norm flags and the vocabulary maps. They are checked against the draft's own tensors, its
+training record and its target. docs/DOCTOR.md "Architecture fields" has the table with the engines'
+file:line.
 
 Both engines build the draft's config with transformers' LlamaConfig, then read it (SGLang 0.5.17
 models/llama.py:293-339 and llama_eagle3.py:124-198; vLLM 0.26.0 models/llama.py:155-156, 240-245,
@@ -91,8 +92,8 @@ def check_config(ctx: Context) -> list[Finding]:
 
 
 def _dtype(ctx: Context) -> list[Finding]:
-    """SGLang builds the draft in the dtype the draft's own config states, through its --dtype (default auto):
-    none, or float32, becomes float16 (0.5.17 configs/model_config.py:494, 531-561, 1655-1684), beside a target
+    """SGLang builds the draft in the dtype the draft's own config states, through its --dtype (default auto).
+    None, or float32, becomes float16 (0.5.17 configs/model_config.py:494, 531-561, 1655-1684), beside a target
     that usually runs in bf16. vLLM builds the draft in the target's dtype. What float16 costs a bf16-trained draft
     was not measured, so this is a warning."""
     if ctx.engine != "sglang":

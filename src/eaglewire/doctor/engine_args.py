@@ -4,21 +4,21 @@ combinations it refuses at start-up.
 
 Rules read from (SGLang 0.5.17 lines; 0.5.11 and 0.5.23 checked where said):
 - SGLang python/sglang/srt/arg_groups/speculative_hook.py (server_args.py before 0.5.13), run from
-  `ServerArgs.__post_init__` (server_args.py:3590-3592) through `_handle_eagle_family` (:525):
-  steps/topk/draft tokens are auto-chosen only when steps is unset, and then topk and draft tokens must be
-  unset too, an assert (:588-601); `_auto_choose_speculative_params` (:795-825; 0.5.11 server_args.py:
-  7471-7506, 0.5.23 the same): (5, 4, 8) for LlamaForCausalLM and Grok-1, (3, 1, 4) for the DeepSeek/GLM
-  families listed there, for a STANDALONE draft AND for every other architecture (Qwen included);
-  trtllm_mha refuses topk > 1 (:603-607); topk 1 forces draft tokens to steps + 1 with only a log
-  warning (:656-664); topk > 1 with page size > 1 is refused unless the attention backend is one of
+  `ServerArgs.__post_init__` (server_args.py:3590-3592) through `_handle_eagle_family` (:525).
+  Steps/topk/draft tokens are auto-chosen only when steps is unset, and then topk and draft tokens must be
+  unset too, an assert (:588-601). `_auto_choose_speculative_params` (:795-825; 0.5.11 server_args.py:
+  7471-7506, 0.5.23 the same) gives (5, 4, 8) for LlamaForCausalLM and Grok-1. It gives (3, 1, 4) for the
+  DeepSeek/GLM families listed there, for a STANDALONE draft AND for every other architecture (Qwen
+  included). `trtllm_mha` refuses topk > 1 (:603-607). A topk of 1 forces draft tokens to steps + 1 with only a
+  log warning (:656-664). A topk > 1 with page size > 1 is refused unless the attention backend is one of
   flashinfer, fa3, triton (:666-681; flashinfer and fa3 only before 0.5.13, 0.5.11 server_args.py:
-  3548-3555); NEXTN (and EAGLE) resolve to EAGLE (:24-59).
+  3548-3555). NEXTN (and EAGLE) resolve to EAGLE (:24-59).
 - SGLang speculative/eagle_worker_v2.py:259-266: an EAGLE-3 draft ignores --speculative-token-map;
   speculative/eagle_utils.py:100-119 `organize_draft_results`: a tree verifies at most
   topk + (steps - 1) x topk^2 + 1 tokens (torch.topk over the drafted candidates).
 - vLLM vllm/config/speculative.py: without "method", the method is detected from the draft path
-  ("eagle-" -> eagle, then "eagle3" -> eagle3), else the draft is run as a plain draft model;
-  num_speculative_tokens falls back to the draft config, else it is required.
+  ("eagle-" -> eagle, then "eagle3" -> eagle3), else the draft is run as a plain draft model.
+  `num_speculative_tokens` falls back to the draft config, else it is required.
 `eaglewire serve-check --engine sglang --engine-args ...` serves the same arguments in SGLang and reports
 what it resolved them to beside this module's prediction.
 """

@@ -1,9 +1,9 @@
 """What the doctor reports: a Finding (code, severity, message, fix) and the registry of codes.
 
-A fix is text a person can follow. Where the fix is a file edit or different engine arguments,
-the finding also carries a `Remedy` that does exactly what the text says, so `--apply` and the
-tests can apply it and run the doctor again; the text is rendered from the remedy, never written
-beside it, so the two cannot drift apart.
+A fix is text a person can follow. Where the fix is a file edit or different engine arguments, the
+finding also carries a `Remedy` that does exactly what the text says. So `--apply` and the tests can
+apply it and run the doctor again. The text is rendered from the remedy, never written beside it, so
+the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ CODES: dict[str, str] = {
 class Remedy:
     """A fix the doctor can apply itself (file edits) or spell out exactly (arguments, commands).
 
-    config_set: dotted key -> value ("eagle_config.eagle_aux_hidden_state_layer_ids": [1, 15, 26]).
-    config_delete: dotted keys to remove. tensors: name -> tensor written into the weights file
-    (with `why`, the words for what the new tensor is); renames: stored name -> new name.
-    engine_args: the corrected --engine-args string. commands: eaglewire command lines (argv lists)
-    to run, after which `then_doctor` is the directory to examine instead.
+    `config_set`: dotted key -> value ("eagle_config.eagle_aux_hidden_state_layer_ids": [1, 15, 26]).
+    `config_delete`: dotted keys to remove. `tensors`: name -> tensor written into the weights file
+    (with `why`, the words for what the new tensor is). `renames`: stored name -> new name.
+    `engine_args`: the corrected --engine-args string. `commands`: eaglewire command lines (argv
+    lists) to run, after which `then_doctor` is the directory to examine instead.
     """
 
     config_set: dict = field(default_factory=dict)

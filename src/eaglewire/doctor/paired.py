@@ -3,10 +3,10 @@
 Every wiring is measured on the same continuations, so two wirings' figures share the prompts'
 difficulty: a hard prompt lowers both. Comparing them through their own standard errors ignores
 that and calls real differences noise; a paired comparison takes each prompt's difference and asks
-how much it varies. Here that is a bootstrap over prompts (positions within one prompt are not
-independent, so prompts, not positions, are resampled): each resample draws the prompts with
-replacement, the SAME draw for every wiring, and recomputes each wiring's acceptance length
-(tokens / rounds of the decoder's walk, chain.walk) and step-1 accuracy.
+how much it varies. Here that is a bootstrap over prompts: positions within one prompt are not
+independent, so prompts, not positions, are resampled. Each resample draws the prompts with
+replacement, the SAME draw for every wiring. It recomputes each wiring's acceptance length (tokens /
+rounds of the decoder's walk, chain.walk) and step-1 accuracy.
 
 Intervals are simultaneous over the alternatives compared (Bonferroni): with 15 alternatives at a
 5% family-wise level each interval is a 99.67% one, so among that many wirings chance alone names a

@@ -1,10 +1,11 @@
 """The probe: run distinct prompts through the target, capture every tap at once, and replay the
-decoder's greedy chain of K draft tokens (chain.py) at every position under the wiring the engine will
-really use and under the plausible mistakes (each tap shifted by +-1, all shifted, the embedding in or
-out, other fc orders, the post-norm final state instead of tap N). Wirings are compared on the same
-prompts and positions (paired.py), and the verdict is in acceptance length, the figure `bench` and the
-engines report. Also compares the per-tap activation statistics recorded at training time
-(checkpoint.tap_stats) with the live target's, which catches wrong taps without running the draft.
+decoder's greedy chain of K draft tokens (chain.py) at every position. It replays under the wiring the
+engine will really use and under the plausible mistakes: each tap shifted by +-1, all shifted, the
+embedding in or out, other fc orders, the post-norm final state instead of tap N. Wirings are compared
+on the same prompts and positions (paired.py), and the verdict is in acceptance length, the figure
+`bench` and the engines report. Also compares the per-tap activation statistics recorded at training
+time (checkpoint.tap_stats) with the live target's, which catches wrong taps without running the
+draft.
 """
 
 from __future__ import annotations
@@ -178,9 +179,9 @@ def run(target, draft, *, engine_taps, trained, inputs: Sequences, steps: int = 
         recorded_metrics=None, recorded_stats=None, change_for=None, who: str = "the engine",
         pin_ids: bool = False, stated: tuple = (), progress: bool = False) -> tuple[list, dict]:
     """Measure; -> (findings, the probe's JSON record). `change_for(taps)` -> (text, Remedy|None).
-    trained: the taps the draft was trained on, as eaglewire recorded them (recorded) or as inferred from its
-    files. pin_ids: the engine reads no explicit ids (it falls back to its defaults), so a wiring found right
-    is also written down."""
+    `trained`: the taps the draft was trained on, as eaglewire recorded them (recorded) or as inferred from
+    its files. `pin_ids`: the engine reads no explicit ids (it falls back to its defaults), so a wiring found
+    right is also written down."""
     stack = locate(target.model)
     N, n_taps = stack.num_layers, draft.config.num_taps
     draft = draft.to(next(stack.lm_head.parameters()).device)  # fp32 as loaded; the target may be bf16 on a GPU
@@ -243,8 +244,9 @@ SHIFTS = ("every tap -1", "every tap +1")  # candidates()'s labels of the whole-
 
 def _verdict(eng, alts, draft, change_for, who: str, trained, pin_ids: bool, K: int, P: int):
     """PROBE_WIRING when another wiring reads significantly better (an error from a cost of paired.COSTLY of
-    acceptance length); PROBE_UNSURE when a whole-list shift reads no worse, so the measurement cannot tell the
-    engine's wiring from the seed's fault; else PROBE_OK saying whether it is the best or tied within noise."""
+    acceptance length). PROBE_UNSURE when a whole-list shift reads no worse, so the measurement cannot tell the
+    engine's wiring from the seed's fault. Else PROBE_OK, saying whether it is the best or tied within
+    noise."""
     ew, er, _ = eng
     scale = (f"acceptance length {er['acceptance_length']:.2f} (a greedy chain of {K}, {P} prompts, "
              f"{er['rounds']} rounds)")

@@ -1,11 +1,11 @@
 """What the probe measures on: distinct prompts, the target's own greedy continuations of them, and
 every tap of each sequence captured once.
 
-Prompts come from the built-in list (assets/probe_prompts.jsonl: 76 short prompts of many kinds,
-interleaved so that any first N are varied), from a benchmark suite (`--suite`, suites.py), or from a
-prompt file (`--prompts`, whose written assistant replies are measured as they are: the training
-distribution). A prompt is never measured twice: asking for more than there are measures all of
-them and says so.
+Prompts come from the built-in list, from a benchmark suite (`--suite`, suites.py), or from a prompt
+file (`--prompts`, whose written assistant replies are measured as they are: the training
+distribution). The built-in list is assets/probe_prompts.jsonl: 76 short prompts of many kinds,
+interleaved so that any first N are varied. A prompt is never measured twice: asking for more than
+there are measures all of them and says so.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def chosen(target, n: int, prompts: str | None = None, suite: str | None = None,
            writer: Writer | None = None) -> Sequences:
     """The probe's sequences as the command line asks: --prompts FILE (written replies measured as they are),
     --suite NAME|FILE (its first turns, evenly spaced for a named suite as `bench` takes them), or the
-    built-in prompts; the target continues every bare prompt itself (or `writer` does)."""
+    built-in prompts. The target continues every bare prompt itself (or `writer` does)."""
     if prompts:
         from ..prompts import load_conversations
 

@@ -2,10 +2,11 @@
 and final norm, without its weights in memory.
 
 A target that does not fit one GPU (the Kimi-K2.5 class) is only ever loaded by the engine, across GPUs. What
-eaglewire itself needs of it is small: the tokenizer (chat templates, loss masks), the fingerprint every
-artefact records (`targets.fingerprint`, computed here from the weight files tensor by tensor, so it equals
-the one a loaded model gives) and the final norm, which turns the engine's pre-norm last state into the
-post-norm state the shards store. The model is built on the meta device: names and shapes, no memory.
+eaglewire itself needs of it is small. It needs the tokenizer (chat templates, loss masks) and the
+fingerprint every artefact records (`targets.fingerprint`). That is computed here from the weight files
+tensor by tensor, so it equals the one a loaded model gives. It needs the final norm, which turns the
+engine's pre-norm last state into the post-norm state the shards store. The model is built on the meta
+device: names and shapes, no memory.
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@
 The incident eaglewire exists for was lost between training and the serving engine, so the engine's own
 counters are the ground truth here: the same prompts, greedy, batch 1, through
  (a) the engine without the draft, (b) the engine with it (a native draft is exported to the engine's format
-     first; an export is served as it is), (c) eaglewire's decoder without and with it;
-then acceptance length, acceptance by position and tokens/s side by side, and the engine's greedy tokens with
-and without the draft compared token for token. `--wirings` serves the draft again with the tap ids of the
-doctor's main alternative wirings, in the engine's words: the engine's acceptance for each is the ground truth
-that `eaglewire doctor --probe` estimates.
+     first; an export is served as it is), (c) eaglewire's decoder without and with it.
+Then acceptance length, acceptance by position and tokens/s are set side by side, and the engine's greedy
+tokens with and without the draft are compared token for token. `--wirings` serves the draft again with the
+tap ids of the doctor's main alternative wirings, in the engine's words: the engine's acceptance for each is
+the ground truth that `eaglewire doctor --probe` estimates.
 
 This module is engine-neutral: what it needs of an engine (its jobs, its counters per prompt, where it reads
 tap ids, its wirings, what it says it captured) is that engine's `Serving` class, beside its boundary
@@ -203,8 +203,8 @@ def agreement(ours: list[dict], theirs: list[dict]) -> dict:
 
 
 def greedy_identity(plain: list[dict], spec: list[dict], must_match: bool = True) -> dict:
-    """The engine's greedy tokens without and with the draft, prompt by prompt: a divergence at a near-tie
-    (top-2 gap < TIE in the run without the draft) is reported; any other fails the check when `must_match`
+    """The engine's greedy tokens without and with the draft, prompt by prompt. A divergence at a near-tie
+    (top-2 gap < TIE in the run without the draft) is reported. Any other fails the check when `must_match`
     (the engine's Serving.greedy_must_match), and is counted either way."""
     from ..bench.run import first_divergence
 
@@ -252,9 +252,9 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
                 gpu_memory_utilization: float | None = None, engine_args: str | None = None,
                 sglang_python: str | None = None, sglang_path: str | None = None, eager: bool = False, log=None,
                 work=None) -> dict:
-    """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0). chain: draft
-    tokens a step (default 7; with SGLang `engine_args`, the steps they resolve to). eager: no CUDA graphs in the
-    engine's timed runs either (the wirings always run eager)."""
+    """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0). `chain`: draft
+    tokens a step (default 7; with SGLang `engine_args`, the steps they resolve to). `eager`: no CUDA graphs in
+    the engine's timed runs either (the wirings always run eager)."""
     spec, asked = speculative_args(engine_name, engine_args, target)
     if asked is not None:
         if chain is not None and chain != asked.num_steps:
@@ -360,24 +360,49 @@ def result(eng, p: Prepared, mine: dict, plain: dict, spec: dict, alts: list, ch
 # --- the report -----------------------------------------------------------------------------------------
 
 def render(r: dict) -> str:
-    o, v, a, g = r["ours"], r[r["engine"]], r["agreement"], r["greedy"]
     E = r.get("engine_label") or r["engine"]
-    f = lambda x, fmt=".2f": "-" if x is None else format(x, fmt)  # noqa: E731
     seen = r["engine_aux_layers"]
-    lines = [f"eaglewire serve-check  {r['suite']['name']} ({r['suite']['prompts']} prompts)  target {r['target']}  "
-             f"{E} {r['engine_version']}  greedy, batch 1, chain of {r['settings']['chain']}",
-             f"  draft {r['draft']['how']}: taps {r['draft']['taps']}; {E} "
-             + (f"captured taps {seen['taps']} (its {seen['from']})" if seen else
-                "said nothing of the taps it captured" + (" (its forward hook fires on eager forwards only)"
-                                                          if r["engine"] == "sglang" else " (no log line found)")),
-             "", f"  {'':<28}{'eaglewire':>12}{E:>12}",
-             f"  {'acceptance length':<28}{f(o['acceptance_length']):>12}{f(v['acceptance_length']):>12}",
+    lines = _header(r, E, seen) + _counts(r, E) + _verdicts(r, E, seen)
+    if r["wirings"]:
+        lines += _wirings(r, E, seen)
+    lines += ["", "ok" if r["ok"] else "NOT OK: see above"]
+    return "\n".join(lines)
+
+
+def _f(x, fmt=".2f") -> str:
+    """A number in a table cell, or - for None."""
+    return "-" if x is None else format(x, fmt)
+
+
+def _header(r: dict, E: str, seen: dict | None) -> list[str]:
+    """The run's suite, target, engine and settings, and the taps the draft and the engine name."""
+    return [f"eaglewire serve-check  {r['suite']['name']} ({r['suite']['prompts']} prompts)  target {r['target']}  "
+            f"{E} {r['engine_version']}  greedy, batch 1, chain of {r['settings']['chain']}",
+            f"  draft {r['draft']['how']}: taps {r['draft']['taps']}; {E} "
+            + (f"captured taps {seen['taps']} (its {seen['from']})" if seen else
+               "said nothing of the taps it captured" + (" (its forward hook fires on eager forwards only)"
+                                                         if r["engine"] == "sglang" else " (no log line found)")),
+            ""]
+
+
+def _counts(r: dict, E: str) -> list[str]:
+    """The table of eaglewire's and the engine's acceptance and speed, side by side."""
+    o, v = r["ours"], r[r["engine"]]
+    lines = [f"  {'':<28}{'eaglewire':>12}{E:>12}",
+             f"  {'acceptance length':<28}{_f(o['acceptance_length']):>12}{_f(v['acceptance_length']):>12}",
              f"  {'verification steps':<28}{o['drafts']:>12}{v['drafts']:>12}"]
     for i, (x, y) in enumerate(zip(o["rate_by_position"], v["rate_by_position"])):
         lines.append(f"  {f'accepted at position {i + 1}':<28}{x:>12.3f}{y:>12.3f}")
-    lines += [f"  {'tokens/s with the draft':<28}{f(o['tokens_per_s'], '.1f'):>12}{f(v['tokens_per_s'], '.1f'):>12}",
-              f"  {'tokens/s without':<28}{f(o['tokens_per_s_without'], '.1f'):>12}"
-              f"{f(v['tokens_per_s_without'], '.1f'):>12}", ""]
+    lines += [f"  {'tokens/s with the draft':<28}{_f(o['tokens_per_s'], '.1f'):>12}{_f(v['tokens_per_s'], '.1f'):>12}",
+              f"  {'tokens/s without':<28}{_f(o['tokens_per_s_without'], '.1f'):>12}"
+              f"{_f(v['tokens_per_s_without'], '.1f'):>12}", ""]
+    return lines
+
+
+def _verdicts(r: dict, E: str, seen: dict | None) -> list[str]:
+    """The agreement on acceptance, the greedy identity, and what the engine and the doctor resolved."""
+    v, a, g = r[r["engine"]], r["agreement"], r["greedy"]
+    lines = []
     if v.get("reported_accept_length") is not None:
         lines.append(f"SGLang's own spec_accept_length: {v['reported_accept_length']:.2f} (completion tokens / verify "
                      "steps: it counts the token the prefill wrote too)")
@@ -396,7 +421,7 @@ def render(r: dict) -> str:
     if sp:
         lines.append(f"{E} resolved: steps {sp['num_steps']}, topk {sp['eagle_topk']}, draft tokens "
                      f"{sp['num_draft_tokens']}; its counters: {sp['verify_steps']} verify steps, "
-                     f"{f(sp['proposed_per_step'])} draft tokens proposed a step")
+                     f"{_f(sp['proposed_per_step'])} draft tokens proposed a step")
     dr = r["draft"].get("doctor")
     if dr:
         lines.append(f"`eaglewire doctor` on what was served, before serving: exit {dr['exit']}"
@@ -407,23 +432,27 @@ def render(r: dict) -> str:
                      f"{d['eagle_topk']}, draft tokens {d['num_draft_tokens']}: "
                      + ("as SGLang resolved" if ask["doctor_agrees"] else "NOT what SGLang resolved"))
         lines += [f"  doctor: {x}" for x in d["overrides"]]
-    if r["wirings"]:
-        lines += ["", "the engine's acceptance with other ids (what `eaglewire doctor --probe` estimates; the difference "
-                  "with its simultaneous 95% interval, paired over prompts):",
-                  f"  {E + ' ids':<16}{'captures':<16}{'seen':<16}{'accept-len':>10}  {'difference':<26}"
-                  f"{'doctor before serving':<28}what"]
-        saw = seen["taps"] if seen else "-"
-        lines.append(f"  {str(r['draft'].get('ids') or '-'):<16}{str(r['draft']['taps']):<16}{str(saw):<16}"
-                     f"{f(v['acceptance_length']):>10}  {'':<26}{said(r['draft'].get('doctor')):<28}the draft's ids")
-        for w in r["wirings"]:
-            dd = w["vs_draft_ids"]
-            diff = f"{dd['difference']:+.2f} ({dd['interval'][0]:+.2f}..{dd['interval'][1]:+.2f})"
-            saw = w["captured"]["taps"] if w.get("captured") else "-"
-            lines.append(f"  {str(w['ids'] if w['ids'] is not None else 'not read'):<16}"
-                         f"{str(w['taps'] if w['taps'] is not None else '-'):<16}{str(saw):<16}"
-                         f"{f(w['acceptance_length']):>10}  {diff:<26}{said(w.get('doctor')):<28}{w['label']}")
-    lines += ["", "ok" if r["ok"] else "NOT OK: see above"]
-    return "\n".join(lines)
+    return lines
+
+
+def _wirings(r: dict, E: str, seen: dict | None) -> list[str]:
+    """The table of the engine's acceptance with the draft's ids and with each other wiring tried."""
+    v = r[r["engine"]]
+    lines = ["", "the engine's acceptance with other ids (what `eaglewire doctor --probe` estimates; the difference "
+             "with its simultaneous 95% interval, paired over prompts):",
+             f"  {E + ' ids':<16}{'captures':<16}{'seen':<16}{'accept-len':>10}  {'difference':<26}"
+             f"{'doctor before serving':<28}what"]
+    saw = seen["taps"] if seen else "-"
+    lines.append(f"  {str(r['draft'].get('ids') or '-'):<16}{str(r['draft']['taps']):<16}{str(saw):<16}"
+                 f"{_f(v['acceptance_length']):>10}  {'':<26}{said(r['draft'].get('doctor')):<28}the draft's ids")
+    for w in r["wirings"]:
+        dd = w["vs_draft_ids"]
+        diff = f"{dd['difference']:+.2f} ({dd['interval'][0]:+.2f}..{dd['interval'][1]:+.2f})"
+        saw = w["captured"]["taps"] if w.get("captured") else "-"
+        lines.append(f"  {str(w['ids'] if w['ids'] is not None else 'not read'):<16}"
+                     f"{str(w['taps'] if w['taps'] is not None else '-'):<16}{str(saw):<16}"
+                     f"{_f(w['acceptance_length']):>10}  {diff:<26}{said(w.get('doctor')):<28}{w['label']}")
+    return lines
 
 
 def said(doctor: dict | None) -> str:

@@ -8,24 +8,28 @@
     r["resolved"]                 # what SGLang resolved its speculative arguments to
     sglang.captured_taps(r)       # the taps SGLang's target fed the draft (its layers_to_capture)
 
-`Job` (frozen, keyword-only): `target` (a Hugging Face model directory), `draft` (an SGLang-format draft
-directory, `eaglewire export --format sglang`, or None: the target alone), `conversations` (chat message lists,
-rendered by the target's chat template in SGLang's process) or `input_ids` (token ids per prompt, used as they
-are), `max_new_tokens`; `num_steps`, `eagle_topk`, `num_draft_tokens` (SGLang's --speculative-* arguments; None
-leaves them to SGLang, which then chooses all three, or refuses topk / draft tokens without steps); `batch` (1:
-a warm-up, then one prompt a call, each timed: tokens/s; 0: every prompt in one call: acceptance only, fast);
-`dtype`, `mem_fraction_static`, `cuda_graph` (decode steps), `prefill_cuda_graph` (off by default: an eager prefill
-lets the forward hook read the target's capture list), `attention_backend` ("triton": the GPU bundle has no FA3),
-`top_logprobs` (per new token, the k most likely: 2 tells a near-tie).
+`Job` is frozen and keyword-only. Its fields:
+- `target`: a Hugging Face model directory. `draft`: an SGLang-format draft directory (`eaglewire export
+  --format sglang`), or None: the target alone.
+- `conversations`: chat message lists, rendered by the target's chat template in SGLang's process. Or
+  `input_ids`: token ids per prompt, used as they are. Then `max_new_tokens`.
+- `num_steps`, `eagle_topk`, `num_draft_tokens`: SGLang's --speculative-* arguments. None leaves them to
+  SGLang, which then chooses all three, or refuses topk / draft tokens without steps.
+- `batch`: 1 is a warm-up, then one prompt a call, each timed (tokens/s). 0 is every prompt in one call:
+  acceptance only, fast.
+- `dtype`, `mem_fraction_static`, `cuda_graph` (decode steps). `prefill_cuda_graph` is off by default: an
+  eager prefill lets the forward hook read the target's capture list.
+- `attention_backend`: "triton" by default, as the GPU bundle has no FA3. `top_logprobs`: per new token, the
+  k most likely (2 tells a near-tie).
 
 `run_job(job, log_path=None, where=None) -> dict` runs it in a Python process of its own (SGLang's own
 interpreter, `where`), never in eaglewire's: SGLang 0.5.17 pins transformers 5.12.1, eaglewire needs 5.17 or
 newer. The worker is engines/sglang_worker.py, which imports no eaglewire module; it is copied into the job's
-private folder and run there. The result: `sglang_version`, `resolved` (SGLang's server_args after its own
-adjustments), `prompts` (per prompt: `tokens` (new token ids), `prompt_tokens`, `seconds` (batch 1; None at
-batch 0), `meta` (meta_info's completion_tokens, spec_verify_ct, spec_accept_length, spec_num_correct_drafts,
-spec_num_proposed_drafts, spec_correct_drafts_histogram, finish_reason), `top_logprobs` if asked),
-`seconds` (the batch-0 call), `hooks` (what the forward hook saw), `log_tail`.
+private folder and run there. The result holds `sglang_version`, `resolved` (SGLang's server_args after its own
+adjustments), `prompts`, `seconds` (the batch-0 call), `hooks` (what the forward hook saw) and `log_tail`. Each of
+`prompts` holds `tokens` (new token ids), `prompt_tokens`, `seconds` (batch 1; None at batch 0), `meta` and
+`top_logprobs` if asked. `meta` is meta_info's completion_tokens, spec_verify_ct, spec_accept_length,
+spec_num_correct_drafts, spec_num_proposed_drafts, spec_correct_drafts_histogram and finish_reason.
 
 Where SGLang is (`Where`, `locate`): the interpreter `--sglang-python` / $EAGLEWIRE_SGLANG_PYTHON (a venv with
 sglang==0.5.17; default: this Python), and site folders put first on that process's PYTHONPATH,
@@ -189,9 +193,10 @@ def run_job(job: Job, log_path: Path | None = None, where: Where | None = None) 
 
 def counters(meta: dict, positions: int) -> dict:
     """One request's speculative counters from its meta_info: verification steps ("drafts", as vLLM names them),
-    accepted draft tokens (the bonus token not counted), the draft tokens SGLang proposed, and per draft position
-    i the steps that accepted at least i + 1 tokens (from spec_correct_drafts_histogram), and whether that
-    histogram adds up to the totals. A request that never verified (no draft, or done at its prefill) has zeros."""
+    accepted draft tokens (the bonus token not counted) and the draft tokens SGLang proposed. Also, per draft
+    position i, the steps that accepted at least i + 1 tokens (from spec_correct_drafts_histogram), and whether
+    that histogram adds up to the totals. A request that never verified (no draft, or done at its prefill) has
+    zeros."""
     steps = int(meta.get("spec_verify_ct") or 0)
     hist = [int(c) for c in meta.get("spec_correct_drafts_histogram") or []]
     accepted = meta.get("spec_num_correct_drafts")
@@ -209,9 +214,9 @@ def rows(result: dict, positions: int) -> list[dict]:
 
 
 def counts(result: dict, positions: int | None = None) -> dict:
-    """Acceptance over a job's prompts: length (1 + accepted / steps, the bonus token included), steps, accepted,
-    the rate at each draft position, and SGLang's own spec_accept_length averaged over steps (completion tokens /
-    steps: it counts the token the prefill wrote too, so it reads a little higher)."""
+    """Acceptance over a job's prompts: length (1 + accepted / steps, the bonus token included), steps, accepted
+    and the rate at each draft position. Also SGLang's own spec_accept_length averaged over steps (completion
+    tokens / steps): it counts the token the prefill wrote too, so it reads a little higher."""
     if positions is None:
         positions = int(result["resolved"].get("speculative_num_steps") or 0)
     rs = rows(result, positions)

@@ -14,26 +14,27 @@ Facts this relies on (sglang 0.5.17, python/sglang/srt/...):
 - entrypoints/engine.py:229-236: `Engine(**kwargs)` builds `ServerArgs(**kwargs)` (log level "error" unless
   given) and keeps it as `engine.server_args`. server_args.py:3590-3592 (`__post_init__`) runs
   arg_groups/speculative_hook.py `handle_speculative_decoding`, which rewrites the speculative arguments in that
-  object: steps/topk/draft tokens auto-chosen when steps is unset (:588-601, `_auto_choose_speculative_params`
-  :795-825), draft tokens forced to steps + 1 under topk 1 (:656-664, a log warning only). So what SGLang
-  RESOLVED is read from `engine.server_args` once the engine is up (`resolved`).
+  object. Steps/topk/draft tokens are auto-chosen when steps is unset (:588-601,
+  `_auto_choose_speculative_params` :795-825). Draft tokens are forced to steps + 1 under topk 1 (:656-664,
+  a log warning only). So what SGLang RESOLVED is read from `engine.server_args` once the engine is up
+  (`resolved`).
 - entrypoints/engine.py:1670: SGLang starts its processes with `spawn`, so the job runs under
   `if __name__ == "__main__"`.
-- server_args.py:3421-3428 `forward_hooks` (JSON list of {name, target_modules, hook_factory, config});
-  model_executor/hook_manager.py:11-55 imports `hook_factory` in the scheduler process, calls it with `config`
-  and registers the returned forward hook on every module whose name matches; model_runner_components/
-  cuda_graph_setup.py:157-164 registers them after CUDA-graph capture: they fire on eager forwards only, so
-  prefills run eager unless the job asks otherwise (server_args.py:1848 `disable_prefill_cuda_graph`; decode
-  steps stay in graphs unless cuda_graph is off). `aux_layers_hook` reads `layers_to_capture` of the target's inner
-  model: models/llama.py:411 (the list), :434-437 (at layer i it captures `hidden_states + residual`, the
-  residual stream entering layer i: eaglewire's tap i), :885-897 (`set_eagle3_layers_to_capture`: no ids ->
-  [2, N//2, N-3] as they are, ids -> `val + 1`). SGLang logs none of this.
+- server_args.py:3421-3428 `forward_hooks` (JSON list of {name, target_modules, hook_factory, config}). The
+  scheduler process imports `hook_factory` (model_executor/hook_manager.py:11-55), calls it with `config` and
+  registers the returned forward hook on every module whose name matches. It registers them after CUDA-graph capture
+  (model_runner_components/cuda_graph_setup.py:157-164), so they fire on eager forwards only. So prefills run eager
+  unless the job asks otherwise (server_args.py:1848 `disable_prefill_cuda_graph`); decode steps stay in graphs
+  unless cuda_graph is off. `aux_layers_hook` reads `layers_to_capture` of the target's inner model:
+  models/llama.py:411 (the list). At layer i (:434-437) it captures `hidden_states + residual`, the residual stream
+  entering layer i: eaglewire's tap i. `set_eagle3_layers_to_capture` (:885-897) maps no ids to [2, N//2, N-3] as
+  they are, and ids to `val + 1`. SGLang logs none of this.
 - managers/tokenizer_manager.py:2435-2436 and 2739-2809: a finished request's meta_info carries
-  `spec_verify_ct` (verify steps), `spec_num_correct_drafts` (accepted draft tokens, no bonus),
-  `spec_num_proposed_drafts` (= verify steps x (num_draft_tokens - 1), :2757-2759), `spec_accept_length`
-  (= completion_tokens / verify steps, :2767-2769: the prefill's token counts too) and
-  `spec_correct_drafts_histogram` (:2797-2809; index k = verify steps that accepted k draft tokens,
-  managers/schedule_batch.py:1091-1094, 1192-1202). `output_top_logprobs`: per new token a list of
+  `spec_verify_ct` (verify steps) and `spec_num_correct_drafts` (accepted draft tokens, no bonus). It carries
+  `spec_num_proposed_drafts` (= verify steps x (num_draft_tokens - 1), :2757-2759) and `spec_accept_length`
+  (= completion_tokens / verify steps, :2767-2769: the prefill's token counts too). It carries
+  `spec_correct_drafts_histogram` (:2797-2809): index k = verify steps that accepted k draft tokens
+  (managers/schedule_batch.py:1091-1094, 1192-1202). `output_top_logprobs`: per new token a list of
   (logprob, token_id, text) (tokenizer_manager.py:2699-2717).
 """
 

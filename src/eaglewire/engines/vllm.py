@@ -93,8 +93,8 @@ class RegenJob:
 @dataclass(frozen=True, kw_only=True)
 class CaptureJob:
     """The target's residual stream at `layer_ids` (vLLM's ids: id j = tap j, id N = the last layer's output
-    before the final norm) for every token of each sequence, one file a chunk of sequences in `out_dir`
-    (`chunk-00000.safetensors`: "hidden" (sum T, len(ids), H), "offsets" (len + 1,)); a file already there is
+    before the final norm) for every token of each sequence. One file a chunk of sequences goes in `out_dir`
+    (`chunk-00000.safetensors`: "hidden" (sum T, len(ids), H), "offsets" (len + 1,)). A file already there is
     kept."""
 
     target: str

@@ -1,11 +1,11 @@
 """`eaglewire datagen --engine vllm [--tensor-parallel-size N]`: training data whose taps vLLM captured.
 
-The path for targets that do not fit one GPU (the Kimi-K2.5 class) and the one speculators' data generation
-takes: vLLM runs the target (across N GPUs), writes the assistant turns when --regen asks, and hands back the
-residual stream at the taps through its `extract_hidden_states` method (engines/vllm.py, CaptureJob). This
-process never loads the weights (engines/host.py). The tap contract becomes vLLM's ids here and nowhere else:
-vLLM's id j is tap j, and id N, the last layer's output before the final norm, is added for the distillation
-target, which the shards store after the final norm (applied here with the target's own norm).
+The path for targets that do not fit one GPU (the Kimi-K2.5 class), and the one speculators' data generation
+takes. vLLM runs the target (across N GPUs) and writes the assistant turns when --regen asks. It hands back
+the residual stream at the taps through its `extract_hidden_states` method (engines/vllm.py, CaptureJob).
+This process never loads the weights (engines/host.py). The tap contract becomes vLLM's ids here and nowhere
+else: vLLM's id j is tap j. Id N, the last layer's output before the final norm, is added for the
+distillation target. The shards store that after the final norm, applied here with the target's own norm.
 
 The shards and the manifest are datagen's usual ones; the manifest says which engine captured
 (`captured_by`, and `args.capture_engine`, so that a resumed run captures the same way).
@@ -74,18 +74,8 @@ def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, 
         convs = convs[:max(0, room + room // 10 + 8)]
     if regen and convs:
         say(f"vLLM writes the replies to {len(convs)} conversations")
-        job = engine.RegenJob(target=path, conversations=convs, max_new_tokens=gen.max_new_tokens,
-                              temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, max_len=max_len,
-                              tensor_parallel_size=tensor_parallel_size, **share)
-        convs = [c if any(m["role"] == "assistant" for m in c) else prompts.Skip("prompt longer than --max-len")
-                 for c in engine.run_job(job)["conversations"]]
-    encoded = datagen.encode_chunk(t.tokenizer, convs, cfg)
-    if room is not None:  # stop where the samples fill the room, as run_datagen's chunks do
-        kept = [i for i, e in enumerate(encoded) if not isinstance(e, prompts.Skip)]
-        if room <= 0:
-            encoded = []
-        elif room < len(kept):
-            encoded = encoded[:kept[room - 1] + 1]
+        convs = _regenerate(path, convs, gen, max_len, tensor_parallel_size, share)
+    encoded = _within_room(datagen.encode_chunk(t.tokenizer, convs, cfg), room)
     # one file of vLLM's output per shard: the unit datagen resumes by
     ranges = [(i, min(len(encoded), i + cfg.shard_size)) for i in range(0, len(encoded), cfg.shard_size)]
     chunks = [[e[0].tolist() for e in encoded[a:b] if not isinstance(e, prompts.Skip)] for a, b in ranges]
@@ -98,19 +88,51 @@ def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, 
                                                      tensor_parallel_size=tensor_parallel_size, **share))["files"]
         for (a, b), name in zip(ranges, files):
             got = load_file(str(Path(work) / name)) if name else None
-            k, truncated = 0, 0
-            for src, e in enumerate(encoded[a:b], start + a):
-                if isinstance(e, prompts.Skip):
-                    writer.skip(e.reason)
-                    continue
-                lo, hi = int(got["offsets"][k]), int(got["offsets"][k + 1])
-                k += 1
-                taps, final = split(got["hidden"][lo:hi], ids, contract, t.norm)
-                writer.add(shards.Sample(source=src, input_ids=e[0], loss_mask=e[1], taps=taps.to(writer.dtype),
-                                         final_hidden=final.to(writer.dtype)))
-                truncated += e[2]
+            truncated = _write_shard(writer, encoded[a:b], start + a, got, ids, contract, t.norm)
             writer.commit(next_source=start + b, truncated=truncated)
     manifest = writer.finish(complete=True)
     if manifest["counts"]["samples"] == 0:
         raise EaglewireError(f"--prompts {pset.label}: no usable sample (skipped: {manifest['counts']['skipped']})")
     return manifest
+
+
+def _regenerate(path: str, convs: list, gen: datagen.GenConfig, max_len: int, tensor_parallel_size: int,
+                share: dict) -> list:
+    """The conversations with vLLM's replies as their assistant turns; a prompt longer than max_len comes
+    back without one and becomes a Skip."""
+    job = engine.RegenJob(target=path, conversations=convs, max_new_tokens=gen.max_new_tokens,
+                          temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, max_len=max_len,
+                          tensor_parallel_size=tensor_parallel_size, **share)
+    return [c if any(m["role"] == "assistant" for m in c) else prompts.Skip("prompt longer than --max-len")
+            for c in engine.run_job(job)["conversations"]]
+
+
+def _within_room(encoded: list, room: int | None) -> list:
+    """The encoded conversations up to the one whose sample fills the room (None: all), as run_datagen's
+    chunks stop."""
+    if room is None:
+        return encoded
+    kept = [i for i, e in enumerate(encoded) if not isinstance(e, prompts.Skip)]
+    if room <= 0:
+        return []
+    if room < len(kept):
+        return encoded[:kept[room - 1] + 1]
+    return encoded
+
+
+def _write_shard(writer: shards.ShardWriter, encoded: list, first: int, got: dict | None, ids: list[int],
+                 contract: TapContract, norm) -> int:
+    """One shard's samples from vLLM's file `got` (the entries of `encoded` that are not Skips, in order),
+    numbered from source `first`; returns how many were truncated."""
+    k, truncated = 0, 0
+    for src, e in enumerate(encoded, first):
+        if isinstance(e, prompts.Skip):
+            writer.skip(e.reason)
+            continue
+        lo, hi = int(got["offsets"][k]), int(got["offsets"][k + 1])
+        k += 1
+        taps, final = split(got["hidden"][lo:hi], ids, contract, norm)
+        writer.add(shards.Sample(source=src, input_ids=e[0], loss_mask=e[1], taps=taps.to(writer.dtype),
+                                 final_hidden=final.to(writer.dtype)))
+        truncated += e[2]
+    return truncated

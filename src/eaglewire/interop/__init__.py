@@ -1,10 +1,10 @@
 """Interop: export native drafts to SGLang / vLLM / speculators, import drafts from every ecosystem format.
 
 FORMATS (a plain dict; the CLI's choices derive from it) maps a format name to what eaglewire can
-do with it. Detection looks at config.json and the weight names; where the files admit several
-readings (a plain config with top-level ids could be vLLM or SpecForge-style; SGLang's meaning of
-ids for DeepSeek-family targets depends on its version), every plausible reading is computed and
-`--source` (or `--engine-version`) is required only when they disagree.
+do with it. Detection looks at config.json and the weight names. The files may admit several
+readings: a plain config with top-level ids could be vLLM or SpecForge-style, and SGLang's meaning
+of ids for DeepSeek-family targets depends on its version. Then every plausible reading is computed,
+and `--source` (or `--engine-version`) is required only when they disagree.
 
 Layout: one adapter per format, all of one signature (adapters.py over sglang.py, vllm.py,
 specforge.py, eagle.py, modelopt.py); readers.py detects, reads and chooses; convert.py exports and

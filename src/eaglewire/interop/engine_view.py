@@ -20,12 +20,12 @@ class FlagView:
 class EngineView:
     """What `engine` at `engine_version` reads from `path`. Lists, not printing: checks are built on it.
 
-    ids / ids_where: the layer ids the engine reads and the key they came from (None: absent, the
-    engine falls back to its default taps, `default_used`). ids_ignored: {key: ids} present under
-    keys this engine never reads. captured_taps: canonical taps the engine will capture (None when
-    the target's layer count is unknown or the ids are invalid, see problems).
-    weights_kept: stored name -> engine parameter; weights_dropped: silently ignored names;
-    weights_missing: names the engine needs but the directory lacks.
+    `ids` / `ids_where`: the layer ids the engine reads and the key they came from (None: absent,
+    the engine falls back to its default taps, `default_used`). `ids_ignored`: {key: ids} present
+    under keys this engine never reads. `captured_taps`: canonical taps the engine will capture
+    (None when the target's layer count is unknown or the ids are invalid, see problems).
+    `weights_kept`: stored name -> engine parameter. `weights_dropped`: silently ignored names.
+    `weights_missing`: names the engine needs but the directory lacks.
     """
 
     engine: str

@@ -15,8 +15,8 @@ from ..taps import TapContract
 
 
 def sglang_max_draft_tokens(num_steps: int, topk: int) -> int:
-    """The most tokens SGLang can verify a step: its first draft step scores topk candidates and each later
-    one topk^2 (the topk kept nodes' topk children); the verify takes the best num_draft_tokens - 1 of them
+    """The most tokens SGLang can verify a step. Its first draft step scores topk candidates and each later
+    one topk^2 (the topk kept nodes' topk children). The verify takes the best num_draft_tokens - 1 of them
     and the root (sglang/srt/speculative/eagle_utils.py, organize_draft_results: torch.topk over them)."""
     return topk + (num_steps - 1) * topk ** 2 + 1
 

@@ -5,12 +5,12 @@ Rules read from the sglang wheels' source (sglang/srt/...), per release; lines a
 - models/llama_eagle3.py `load_weights` (:314-367): names not in the model's parameters are silently
   dropped (:359-367); `d2t` becomes hot_token_id (target = draft + d2t, :339-342), `t2d` is skipped
   (:344-345). Before 0.5.12 the first layer is the attribute `midlayer` (so `layers.0.*` is dropped) and fc
-  is `hidden_size_in * 3` wide; from 0.5.12 a legacy map renames `midlayer` -> `layers.0` (:327-337), fc
-  width is `num_aux_hidden_states` taps if set, else the nested ids' count, else 3 (:148-153), layers >= 1
-  carry their pre-attention norm as `hidden_norm` (:78, :95-97), and `fc_norm` (per-tap norms, :177-189) and
-  `norm_output` (feed the post-norm state to the next step, :198) are read; from 0.5.17 `norm_before_fc`
-  (one norm over the concatenated taps, `input_norm.weight`, :162-175). fc runs only when the hidden
-  state is not already draft-wide (:229). The first layer's residual is always the raw fc output
+  is `hidden_size_in * 3` wide. From 0.5.12 a legacy map renames `midlayer` -> `layers.0` (:327-337). The fc
+  width is then `num_aux_hidden_states` taps if set, else the nested ids' count, else 3 (:148-153). Layers >= 1
+  carry their pre-attention norm as `hidden_norm` (:78, :95-97). `fc_norm` (per-tap norms, :177-189) and
+  `norm_output` (feed the post-norm state to the next step, :198) are read. From 0.5.17 `norm_before_fc` is
+  read too (one norm over the concatenated taps, `input_norm.weight`, :162-175). The fc runs only when the
+  hidden state is not already draft-wide (:229). The first layer's residual is always the raw fc output
   (:89-91): norm_before_residual is hard-coded False. `tie_word_embeddings` makes lm_head the embedding
   (:292-293); draft_vocab_size null loads the target's lm_head, absent it is an AttributeError (:295-307).
 - model_runner_components/spec_aux_hidden_state.py:80-94 (0.5.17; model_runner.py before): the ids are
@@ -18,10 +18,10 @@ Rules read from the sglang wheels' source (sglang/srt/...), per release; lines a
   default taps) on any error; `use_aux_hidden_state` is read there too (:86-88). A top-level key only sizes
   the draft's input (speculative/eagle_utils.py:472-477).
 - models/llama.py:885-897, qwen2.py:747-760, qwen3.py:688-701, glm4_moe.py:1446-1458
-  `set_eagle3_layers_to_capture`: None -> [2, N//2, N-3] used as-is; explicit ids -> `val + 1`; the
-  capture at layer i is `hidden_states + residual` entering it (llama.py:434-437). models/deepseek_v2.py
-  (:3134-3149) and glm4_moe_lite.py (:1013-1028): the same before 0.5.13; from 0.5.13 (PR #25454) +1 only
-  when ids[0] == 1.
+  `set_eagle3_layers_to_capture`: None -> [2, N//2, N-3] used as-is; explicit ids -> `val + 1`. The
+  capture at layer i is `hidden_states + residual` entering it (llama.py:434-437). In models/deepseek_v2.py
+  (:3134-3149) and glm4_moe_lite.py (:1013-1028) the same holds before 0.5.13. From 0.5.13 (PR #25454) they
+  add 1 only when ids[0] == 1.
 The index rules themselves live in eaglewire.taps (sglang_convention); this module only picks one.
 """
 

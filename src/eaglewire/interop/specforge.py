@@ -2,8 +2,8 @@
 
 Rules from sgl-project/SpecForge:
 - specforge/modeling/draft/llama3_eagle.py: `midlayer` (the first layer), `fc` over 3 taps of
-  target_hidden_size, optional `fc_norm.{i}` per-tap norms, `norm`, `lm_head`, buffers `d2t`/`t2d`;
-  the residual is the raw fc output; `norm_output` (default True) means only "the final norm precedes
+  target_hidden_size, optional `fc_norm.{i}` per-tap norms, `norm`, `lm_head`, buffers `d2t`/`t2d`.
+  The residual is the raw fc output. `norm_output` (default True) means only "the final norm precedes
   lm_head" (compute_logits), and the state fed to the next step is the pre-norm layer output.
 - specforge/algorithms/model_providers.py `resolve_eagle_capture_layers`: ids from the run, else
   the nested eagle_config, else [1, N//2 - 1, N - 4]; an id is the 0-based OUTPUT of layer j

@@ -3,9 +3,9 @@
 Rules read from public source:
 - vllm/transformers_utils/configs/speculators/algos.py `update_eagle3`: a speculators config is
   turned into the draft's HF config from `transformer_layer_config` (model_type llama or qwen3
-  only), with draft_vocab_size, target_hidden_size, the four norm flags (norm_before_residual
-  defaults to TRUE when absent, the others to False) and the TOP-LEVEL
-  eagle_aux_hidden_state_layer_ids.
+  only). It carries draft_vocab_size, target_hidden_size, the four norm flags and the TOP-LEVEL
+  eagle_aux_hidden_state_layer_ids. Of the flags, norm_before_residual defaults to TRUE when absent,
+  the others to False.
 - vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py `get_eagle3_aux_layers_from_config`: ids
   are read only from the top level (`hf_config.eagle_aux_hidden_state_layer_ids`); absent, the
   target's default (2, N//2, N-3) is used. Id j is tap j (taps.CONVENTIONS["vllm"]).

@@ -5,14 +5,14 @@ copies each K/V head once per query head that shares it. Only 5.24's uncompiled 
 the query heads instead. The runners always pass a mask, and on a GPU they compile, so with sdpa every
 layer of every step copies its whole K/V buffer twice (SmolLM2-135M: 9 query heads on 3 K/V heads).
 
-Here the G query heads of one K/V head become G*T query rows of that head, (B, Hq, T, D) -> (B, Hkv, G*T, D),
-and the mask is repeated G times to match: the same attention over the same keys, without the copies.
-Fewer, taller heads are not always faster for the attention kernel itself. On an H200 grouped sdpa won the 8- and
-64-row verify rounds by 1-3% and lost the one-row step by 8%: 3 heads of 3 rows give a fused kernel too little to
-split (benchmarks/results/2026-11-29-run10-grouped-attention-ab.md). A one-row step is therefore spelt as two
-matmuls and a softmax instead (`matmul_attention`). That won the plain step too (1.104 -> 1.046 ms;
-benchmarks/results/2026-11-30-run11-slots-regeneration.md), so the decoder's target on CUDA attends this way by
-default. Verifies of up to MATMUL_MAX_ROWS rows may be spelt so too.
+Here the G query heads of one K/V head become G*T query rows of that head, (B, Hq, T, D) -> (B, Hkv, G*T, D).
+The mask is repeated G times to match: the same attention over the same keys, without the copies.
+Fewer, taller heads are not always faster for the attention kernel itself. On a GPU grouped sdpa wins the
+verify rounds of many rows but can lose the one-row step: 3 heads of 3 rows give a fused kernel too little to
+split. A one-row step is therefore spelt as two matmuls and a softmax instead (`matmul_attention`). That wins
+the plain step too, so the decoder's target on CUDA attends this way by default. Verifies of up to
+MATMUL_MAX_ROWS rows may be spelt so too. `python benchmarks/decode_steps.py --random-draft --attention
+sdpa,grouped,matmul` times each way (measured: benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from ..targets import text_config
 NAME = "eaglewire_grouped_sdpa"
 ROWS_MASK = "eaglewire_rows_mask"  # a forward's kwarg: its mask repeated for the grouped rows once, not per layer
 # Query rows a head may have for its attention to be spelt as matmuls rather than sdpa. As shipped, a decode step
-# only. On the H200 an 8-row verify's cuDNN attention took 6.5 us a layer plus a memset, a layout copy and its
-# mask's kernel (benchmarks/results/2026-11-30-run12-decoder-defaults.md); `decode_steps.py --attention matmul`
-# times multi-row verifies spelt as matmuls.
+# only. On a GPU an 8-row verify's cuDNN attention is a few microseconds a layer, plus a memset, a layout copy
+# and its mask's kernel. `decode_steps.py --attention default,matmul` times multi-row verifies spelt as matmuls.
 MATMUL_MAX_ROWS = 1
 
 
@@ -42,7 +41,8 @@ def rows_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                       scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, query (B, Hq, T, D) over key/value (B, Hkv, S, D) with Hkv dividing
-    Hq; mask (B or 1, 1, T, S), or already `rows_mask`'s (.., G*T, S): bool (True = attend) or additive.
+    Hq. The mask is (B or 1, 1, T, S), or already `rows_mask`'s (.., G*T, S): bool (True = attend) or
+    additive.
     Returns (B, Hq, T, Dv)."""
     b, hq, t, d = query.shape
     g = hq // key.shape[1]

@@ -1,33 +1,28 @@
 """oneDNN-packed linear layers for fp32 decoding on a CPU (`Speedups(prepack=...)`, speedups.py).
 
-On a CPU, `nn.Linear` hands each call to MKL, which lays the weights out again every time; for
-the few rows a decode step has that costs the memory bandwidth the step is bound by. Measured on
-2 cores (AVX-512, torch 2.13, SmolLM2-135M fp32): the 49152-wide lm_head took 7.2 ms for one row
-and 11.8 ms for eight, a whole forward 42 ms for one token and 62 ms for four. With the weights
-packed once for oneDNN: lm_head 3.4 / 5.2 ms, the forward 32 / 41 ms, logits equal to 1e-4 and the
-same argmax at every position. Called through oneDNN's pointwise linear on dense activations (no
-conversion of the activations in and out), a plain decode step went from 33 to 24 ms.
-The benchmarks: benchmarks/results/2026-11-29-run02-compiled-decoder.md and
-benchmarks/results/2026-11-29-run04-fused-projections.md.
+On a CPU, `nn.Linear` hands each call to MKL, which lays the weights out again every time. For the few
+rows of a decode step that costs memory bandwidth, and bandwidth is what the step is bound by. Here the
+weights are packed once for oneDNN and called through oneDNN's pointwise linear on dense activations (no
+conversion of the activations in and out). The logits stay equal to 1e-4, with the same argmax at every
+position. Where MKL is slow, this made the lm_head about twice as fast and a plain decode step about a
+quarter faster. `eaglewire bench` against `eaglewire bench --no-prepack` measures it (measured:
+benchmarks/results/).
 
 `prepacked(module)` returns a copy of the module tree in which every nn.Linear of at least
-MIN_WEIGHTS weights is a `PackedLinear`; every other tensor (embeddings, norms, buffers, the dense
+MIN_WEIGHTS weights is a `PackedLinear`. Every other tensor (embeddings, norms, buffers, the dense
 weights themselves) is shared, not copied, so the caller's model is untouched (HF `generate` in the
-same benchmark keeps its own). Smaller layers stay dense: a oneDNN call costs ~10 us whatever its
-size, more than the packing saves there (a 32x32 layer: 1.5 us dense, 11 us packed). The packed weights are
-a second copy of the linear layers in memory (about 0.5 GB for SmolLM2-135M in fp32), less the layers that are
-faster dense at every row count (`time_layers`).
+same benchmark keeps its own). Smaller layers stay dense: a oneDNN call has a fixed cost of some
+microseconds whatever its size, more than the packing saves there. The packed weights are a second
+copy of the linear layers in memory (about 0.5 GB for SmolLM2-135M in fp32). Layers that are faster
+dense at every row count (`time_layers`) are not copied.
 
-Whether the packed layout pays is the machine's, not the layer's. Those figures were an AMD EPYC's, where MKL is
-slow. On a 2-core Intel Xeon (AVX-512, AMX), with the weights out of cache as in a step, MKL was the faster at one
-row (gate/up 352 against 379 us, down 157 against 216) and oneDNN at four or eight (gate/up 400 against 567 us at
-four; the lm_head 4.6 ms at one row or four, MKL 5.1 and 9.3): packing everything made a plain step 50-53 ms against
-43-46 (benchmarks/results/2026-11-30-run15-one-vs-two-layers.md). MKL's cost jumps between three rows and four there
-(all 30 layers' projections: 19.1, 20.5, 22.1, 34.3 ms at 1-4 rows; oneDNN 25.5-26.7 at 1-4;
-benchmarks/results/2026-11-30-run16-recipe-long.md), so a 3-row verify wants MKL and a 4-row one oneDNN. So each
-layer shape is timed both ways once a process, at each row count the caller will run (`prepacked(rows=...)`: one
-row, the verify's rows, PACK_ROWS), and a PackedLinear calls whichever was faster for the rows it gets: a row count
-not timed goes the way of the next larger one that was.
+Whether the packed layout pays is the machine's, not the layer's. On a CPU where MKL is slow, packing
+wins at every row count. On another, with the weights out of cache as in a step, MKL can be the faster
+at one row and oneDNN at four or eight. MKL's cost can also jump between three rows and four, so that a
+3-row verify wants MKL and a 4-row one oneDNN. So each layer shape is timed both ways once a process,
+at each row count the caller will run (`prepacked(rows=...)`: one row, the verify's rows, PACK_ROWS).
+A PackedLinear calls whichever was faster for the rows it gets. A row count not timed goes the way of
+the next larger one that was. A bench's JSON lists the choices under settings.linears.
 """
 
 from __future__ import annotations
@@ -42,8 +37,8 @@ from ..targets import shared_copy
 
 MIN_WEIGHTS = 1 << 16  # SmolLM2-135M's smallest projection (k_proj) has 110,592
 # The row count oneDNN lays a weight out for. Laid out for 8 rows, a SmolLM2 projection serves 1 to
-# 64 rows as fast as or faster than one laid out for 1 (2 cores: the 49152-wide lm_head, 8 rows:
-# 2.8 ms against 4.2; 1 row: 2.3 against 1.9), and decoding verifies several rows at a time.
+# 64 rows about as fast as one laid out for 1, or faster: the 49152-wide lm_head is a third faster at
+# 8 rows and a little slower at 1. Decoding verifies several rows at a time.
 PACK_ROWS = 8
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -107,9 +102,9 @@ _timed: dict[tuple, bool] = {}  # (in, out, bias, threads, rows) -> whether dens
 def time_layers(layers: list[PackedLinear], rows: tuple[int, ...] = (1, PACK_ROWS)) -> None:
     """Set each layer's `dense_at`: at each row count in `rows`, whether this machine's dense linear beats the
     packed one for its shape. Timed as a forward meets them: a pass calls every layer once in turn, all of
-    them dense or all packed, and adds up each shape's calls, so the weights come from memory as in a step and
-    not from cache (a loop over one layer, whose weight stays in cache, favoured MKL where in a step oneDNN
-    won). Each side's best of TIMING_REPEATS passes; once a shape, row count and thread count a process
+    them dense or all packed, and adds up each shape's calls. So the weights come from memory as in a step,
+    not from cache. A loop over one layer keeps its weight in cache, and favoured MKL where in a step oneDNN
+    won. Each side's best of TIMING_REPEATS passes; once a shape, row count and thread count a process
     (SmolLM2-135M: 8 passes a side of ~25 ms each a row count)."""
     rows = tuple(sorted(set(rows)))
     threads = torch.get_num_threads()

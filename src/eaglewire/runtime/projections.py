@@ -2,14 +2,14 @@
 (`Speedups(fuse_projections=...)`, speedups.py: on by default for targets up to 1B parameters;
 `bench --no-fuse-projections` to compare).
 
-A decode step of a small model on a GPU is bound by how many kernels it runs, not by its bytes
-(SmolLM2-135M on an H200: 1.48 ms of graph replay for 0.063 ms of weights;
-benchmarks/results/2026-11-29-run03-one-replay-chain.md).
+A decode step of a small model on a GPU is bound by how many kernels it runs, not by its bytes: for
+SmolLM2-135M its graph replay takes over twenty times as long as reading its weights once.
+`python benchmarks/decode_steps.py --random-draft --modes plain` measures the replay (measured: benchmarks/results/).
 Llama-style layers run q_proj, k_proj and v_proj one after another on the same hidden states, and
-gate_proj then up_proj: five matmuls a layer where two do. HF's forwards are left as they are:
-the first projection of a group computes the whole group in one matmul and keeps the result; the
-others return their slice of it when they are called on that same tensor, and compute their own
-matmul otherwise (so any call order stays correct, it only loses the saving).
+gate_proj then up_proj: five matmuls a layer where two do. HF's forwards are left as they are. The
+first projection of a group computes the whole group in one matmul and keeps the result. The others
+return their slice of it when they are called on that same tensor, and compute their own matmul
+otherwise (so any call order stays correct, it only loses the saving).
 
 `fused(model)` returns a copy whose groups are fused, every other tensor shared with the model
 (HF `generate` in the same benchmark keeps its own layers); the fused weights are a second copy of

@@ -16,9 +16,9 @@ the K/V of its T new tokens at the slots after the committed ones (and after ear
 - `compile=True` runs that forward through `torch.compile` (dynamic=False; the CUDA graph is our own,
   so inductor's fused kernels are what the graph replays).
 
-`TargetRunner` drives an unmodified HF model: its cache is a `transformers.Cache` of `SlotLayer`s
-and the 4D float mask is passed through as-is by HF's mask code (transformers 5.17 and 5.24, eager
-and sdpa attention); taps come from `capture.TapHooks` around the forward. `DraftRunner` drives an
+`TargetRunner` drives an unmodified HF model. Its cache is a `transformers.Cache` of `SlotLayer`s,
+and HF's mask code passes the 4D float mask through as-is (transformers 5.17 and 5.24, eager and
+sdpa attention). Taps come from `capture.TapHooks` around the forward. `DraftRunner` drives an
 `Eagle3Draft` through the cache protocol its attention uses (`append(layer, k, v)`, `length`);
 it lives in decode/draft_runner.py (its drafting loops are the decoder's).
 """
@@ -93,10 +93,9 @@ class SlotRunner:
         # dynamic=False: one graph per padded size; shapes never vary within one
         self.compiles = compile
         self._compiled = self._compile(self.autotune) if compile else None
-        # Only single-row forwards are autotuned. On the H200 (SmolLM2-135M, decode_steps.py) inductor's choice made a
-        # 1-row step faster (1.235 -> 1.123 ms) and an 8-row verify slower (1.324 -> 1.660 ms;
-        # benchmarks/results/2026-11-29-run08-autotune-plain-step.md); a prefill chunk runs once a prompt, not worth a
-        # minute of compilation. A wrapper of its own: dynamo recompiles for it.
+        # Only single-row forwards are autotuned. On a GPU inductor's choice makes a 1-row step faster and can make
+        # an 8-row verify slower (`decode_steps.py --autotune target,all` times both). A prefill chunk runs once a
+        # prompt, not worth a minute of compilation. A wrapper of its own: dynamo recompiles for it.
         tunes = compile and self.autotune and device.type == "cuda"
         self._compiled_untuned = self._compile(False) if tunes else self._compiled
 
@@ -177,14 +176,14 @@ class SlotRunner:
     @torch.no_grad()
     def forward(self, inputs: dict[str, torch.Tensor], positions: torch.Tensor | int, block: torch.Tensor | None = None,
                 exact: bool = False, pad_to: int | None = None, copy: bool = True) -> tuple[torch.Tensor, ...]:
-        """T new rows: inputs name -> (T, ...), positions (T,) or an int p for p .. p+T-1 (written in place,
-        one launch on CUDA instead of making and copying them), block (T, pending+T) bool = which of this
-        round's rows (earlier pending ones, then the new ones) each new row sees, or None: all earlier
-        pending rows and the new rows up to itself (causal). The committed prefix is always seen.
+        """T new rows: inputs name -> (T, ...), and positions (T,) or an int p for p .. p+T-1 (written in
+        place, one launch on CUDA instead of making and copying them). The bool block (T, pending+T) says
+        which of this round's rows (earlier pending ones, then the new ones) each new row sees. None: all
+        earlier pending rows and the new rows up to itself (causal). The committed prefix is always seen.
         Returns the outputs, each (T, ...). exact: no padding, no graph, not compiled. pad_to: this
-        static size instead of the smallest of `sizes` that fits (a prefill chunk). copy=False: the
-        outputs may be views of a graph's output buffers, valid until this size's next forward (a
-        launch less per output for a caller that is done with them by then).
+        static size instead of the smallest of `sizes` that fits (a prefill chunk). With copy=False
+        the outputs may be views of a graph's output buffers, valid until this size's next forward.
+        That saves a launch per output for a caller that is done with them by then.
         Inputs already on the device avoid a host-to-device copy (a stream sync on CUDA)."""
         t = positions.shape[0] if isinstance(positions, torch.Tensor) else len(next(iter(inputs.values())))
         start = self.length + self.pending
@@ -304,9 +303,10 @@ class SlotRunner:
 
     def make_function(self, key: tuple, fn, inputs: dict[str, torch.Tensor], *args, compile: bool = True
                       ) -> StaticFunction:
-        """fn(inputs, *args) over the fixed buffers `inputs` as the static function `key`, returned: compiled
-        if the runner compiles and `compile` (False: eager inside its graph, for a few index copies with nothing
-        to fuse), eager until the K/V buffers are made (_kv_made); captured on CUDA with graphs."""
+        """fn(inputs, *args) over the fixed buffers `inputs` as the static function `key`, returned. It is
+        compiled if the runner compiles and `compile` (False: eager inside its graph, for a few index copies
+        with nothing to fuse). It runs eager until the K/V buffers are made (_kv_made), and is captured on CUDA
+        with graphs."""
         compiled = torch.compile(fn, dynamic=False, options=compile_options(self.device, self.autotune)) \
             if self.compiles and compile else None
 
@@ -329,7 +329,7 @@ class SlotRunner:
 
     def static_inputs(self, rows: int, example: dict[str, torch.Tensor], scratch: int) -> dict[str, torch.Tensor]:
         """Input buffers of a static forward of `rows` rows: each input (1, rows, ...) like example's (rows, ...),
-        pos (1, rows), block (rows, max_pending + rows), at (2,) = [committed length, first slot written]; a
+        pos (1, rows), block (rows, max_pending + rows), at (2,) = [committed length, first slot written]. A
         capture's writes land in the last `scratch` slots."""
         s, dev = self.book.max_len, self.device
         inputs = {k: torch.zeros(1, rows, *v.shape[1:], dtype=v.dtype, device=dev) for k, v in example.items()}
@@ -363,11 +363,10 @@ class TargetRunner(SlotRunner):
     """An HF causal LM; `forward({"ids": (T,)}, ...)` returns (logits (T, V) fp32, taps (T, n*H)),
     or (logits,) alone when the contract is None (plain decoding captures no taps).
 
-    Its compiled single-row forward (a plain decode step) autotunes its matmuls on CUDA: SmolLM2-135M on
-    the H200, a plain step 1.235 -> 1.123 ms, the same tokens
-    (benchmarks/results/2026-11-29-run08-autotune-plain-step.md), for about a minute
-    of compilation (inductor keeps the results on disk). Its verify and prefill sizes and the draft's
-    functions are not autotuned (benchmarks/decode_steps.py --autotune times the choice)."""
+    Its compiled single-row forward (a plain decode step) autotunes its matmuls on CUDA. That makes a
+    plain step faster with the same tokens, for about a minute of compilation (inductor keeps the
+    results on disk). Its verify and prefill sizes and the draft's functions are not autotuned
+    (`python benchmarks/decode_steps.py --autotune target,none` times the choice)."""
 
     autotune = True
     prefill_chunk = 128  # rows per static prefill forward: one more compiled size (see prefill)
@@ -404,8 +403,8 @@ class TargetRunner(SlotRunner):
 
     def _tapped_forward(self, feed, view_len):
         """masked_forward, traced under TapHooks. A function of its own, so compiled graphs are never
-        shared with a runner without taps: dynamo does not guard on module hooks, and would run a
-        graph traced without them (e.g. the plain runner's, at the same prefill size) and lose the taps."""
+        shared with a runner without taps. Dynamo does not guard on module hooks: it would run a graph
+        traced without them (e.g. the plain runner's, at the same prefill size) and lose the taps."""
         return self.masked_forward(feed, view_len)
 
     def _call(self, feed, view_len, compiled=True, tuned=True):
@@ -458,8 +457,8 @@ class TargetRunner(SlotRunner):
         """The prompt (P,) into the empty cache: last-position logits (V,) and taps (P, n*H) if any.
 
         A static runner runs it in chunks of `prefill_chunk` rows through one compiled forward (one
-        CUDA graph): run eagerly, a prompt costs a launch per op of every layer (23-36 ms a prompt
-        for SmolLM2-135M on the H200, a tenth of a 256-token reply). The last chunk ends at the prompt's
+        CUDA graph). Run eagerly, a prompt costs a launch per op of every layer: for SmolLM2-135M
+        on a GPU, about a tenth of a 256-token reply. The last chunk ends at the prompt's
         end, rewriting the rows it shares with the one before (the same tokens at the same
         positions), so no chunk writes past the prompt and the cache needs no extra room."""
         assert self.length == 0 and self.pending == 0, "reset() before prefill"

@@ -18,9 +18,9 @@ from ..errors import UsageError
 @torch.library.custom_op("eaglewire::argsort_stable", mutates_args=())
 def argsort_stable(x: torch.Tensor) -> torch.Tensor:
     """Indices that sort x ascending along its last dimension, ties to the lower index. An op of its own so that
-    torch.compile calls aten's sort instead of generating its own (a Triton sort fused with what
-    feeds it): compiled that way, the one-replay depth-7, top-8 tree indexed past the end of its 392
-    scores on an H200 (a device-side assert), although inductor's sort alone matched aten's."""
+    torch.compile calls aten's sort instead of generating its own (a Triton sort fused with what feeds it).
+    Compiled that way on CUDA, the one-replay depth-7, top-8 tree indexed past the end of its 392 scores (a
+    device-side assert). Yet inductor's sort alone matched aten's."""
     return torch.sort(x, stable=True).indices
 
 
@@ -81,7 +81,7 @@ SCAN_BLOCK = 1024
 def cumsum_in_blocks(x: torch.Tensor) -> torch.Tensor:
     """cumsum over the last dim as scans of SCAN_BLOCK entries plus a short scan of the block totals. One long
     scan over few rows (a vocabulary, 8-64 rows) makes inductor emit a split-scan kernel whose CUDA codegen fails
-    (torch 2.11 on an H200: "list indices must be integers or slices, not NoneType"); these short scans never split."""
+    (torch 2.11 on CUDA: "list indices must be integers or slices, not NoneType"); these short scans never split."""
     v = x.shape[-1]
     if v <= SCAN_BLOCK:
         return x.cumsum(-1)
@@ -92,11 +92,11 @@ def cumsum_in_blocks(x: torch.Tensor) -> torch.Tensor:
 
 def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """(V,) probabilities and a uniform draw u (1,) in [0, 1) -> (1,) the token whose slice of the cumulative
-    distribution holds u: drawn from `probs`, with the randomness given rather than drawn inside, so that a
-    static function (a CUDA graph) can sample and an eager path given the same draws picks the same tokens.
-    Rows (R, V) with draws (R,) give (R,): a token a row. Never a zero-probability token: the first token with
-    mass whose cumulative mass exceeds u * total (a parallel scan may round a zero-mass token's sum above its
-    neighbour's, so "first index past u" alone is not enough); the last token with mass if rounding leaves none."""
+    distribution holds u. It is drawn from `probs` with the randomness given rather than drawn inside. So a
+    static function (a CUDA graph) can sample, and an eager path given the same draws picks the same tokens.
+    Rows (R, V) with draws (R,) give (R,): a token a row. Never a zero-probability token: the first token with mass
+    whose cumulative mass exceeds u * total, or the last token with mass if rounding leaves none. A parallel scan
+    may round a zero-mass token's sum above its neighbour's, so "first index past u" alone is not enough."""
     probs = probs.float()
     cdf = cumsum_in_blocks(probs)
     has_mass = probs > 0

@@ -160,10 +160,11 @@ class BudgetClock:
     """A run's training seconds, and under --time-budget-s the step the clock will stop training at: where the
     cosine ends (lr_at's horizon).
 
-    A step costs its training seconds, measured since the first log so that the first interval's compilation and
-    data-loader start-up do not count (they once ended a 50-step warmup at step 20), plus its share of the
-    evaluations and saves, measured over the steps up to the last one. So an evaluation does not pull the horizon
-    in for the interval it falls in (it once dipped the rate from 8.8e-4 to 5.4e-4 for ten steps after each)."""
+    A step costs its training seconds plus its share of the evaluations and saves, measured over the steps up to
+    the last one. Training seconds are measured since the first log, so that the first interval's compilation and
+    data-loader start-up do not count (counted, they could end a warmup early). So an evaluation does not pull
+    the horizon in for the interval it falls in (it would dip the learning rate for the steps after
+    each)."""
 
     budget_s: float | None  # None: no budget, only the seconds are kept
     started: float  # when the budget began: it counts setup (loading, regeneration) too

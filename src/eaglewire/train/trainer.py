@@ -9,9 +9,9 @@ and hold <= batch_tokens padded tokens (or batch_size samples). The plan of ever
 function of (seed, epoch, data), so a resumed or multi-rank run trains on exactly the batches an
 uninterrupted single-process run would. See ttt.py for the loss and metrics.py for the metrics.
 
-Read in order: `set_up` builds what training needs (a `Setup`: target, data and split, draft, optimizers,
-batch plan); a `Trainer` runs the loop over it (steps, log lines, evaluations, resume states, the finished
-draft); `train` joins the two; `register` is the command line.
+Read in order. `set_up` builds what training needs (a `Setup`: target, data and split, draft, optimizers,
+batch plan). A `Trainer` runs the loop over it (steps, log lines, evaluations, resume states, the finished
+draft). `train` joins the two; `register` is the command line.
 """
 
 from __future__ import annotations

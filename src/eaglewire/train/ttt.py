@@ -1,9 +1,9 @@
 """Training-time test (TTT): K unrolled draft steps on one micro-batch -> weighted loss and metric counts.
 
 Token alignment (docs/ARCHITECTURE.md): at draft position t, step k (0-based here, k+1 in reports)
-reads the token x_{t+1+k} and, as hidden state, fc(taps[t]) at step 0 or its own step k-1 output
-at position t; it predicts x_{t+2+k}, supervised by the target's distribution at position t+1+k,
-i.e. softmax(lm_head(final_hidden[t+1+k])) restricted to the draft vocabulary. Step k runs at
+reads the token x_{t+1+k}. As hidden state it reads fc(taps[t]) at step 0, or its own step k-1
+output at position t. It predicts x_{t+2+k}, supervised by the target's distribution at position
+t+1+k, i.e. softmax(lm_head(final_hidden[t+1+k])) restricted to the draft vocabulary. Step k runs at
 RoPE positions t+k, as the draft does when decoding (SafeAILab/EAGLE eagle/traineagle3/cnets.py and
 SpecForge specforge/modeling/draft/llama3_eagle.py apply `position_ids + lck`), and attends to the
 step-0 keys <= t plus its own earlier steps' keys at t (`draft.ttt_mask`).
@@ -33,9 +33,9 @@ def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """-sum_v p(v) log softmax(logits)(v) per row, as lse(logits) * sum(p) - sum(p * logits).
 
     Same value and gradient as `-(p * logits.float().log_softmax(-1)).sum(-1)`, without an fp32
-    log-softmax the size of the vocabulary per TTT step; on CUDA `torch.compile` fuses it into one
-    pass over logits and p forward and one backward (unfused, it was over half of a training step's
-    GPU time).
+    log-softmax the size of the vocabulary per TTT step. On CUDA `torch.compile` fuses it into one
+    pass over logits and p forward and one backward. Unfused, it can be over half of a training
+    step's GPU time.
     """
     lf = logits.float()
     return torch.logsumexp(lf, dim=-1) * p.sum(-1) - (p * lf).sum(-1)
