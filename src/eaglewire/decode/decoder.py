@@ -24,9 +24,10 @@ draft over the prompt but its last row; then rounds. Each round (rounds.py) is:
   3. the verdict: acceptance.py's rule decides (greedy: exact; sampling: lossless), the committed tokens
      and the next extend's inputs stay on the device (a tree also moves the accepted branch's K/V).
 
-The same body runs everywhere: eagerly on a CPU (one round queued, then read back at once), compiled with
-compile=True, captured in CUDA graphs with cuda_graphs=True (rounds queued ahead of the read-back). Its
-cost against plain decoding: `python benchmarks/decode_steps.py --random-draft`.
+The same body runs everywhere: eagerly (a CPU, debugging), compiled with compile=True, captured in CUDA
+graphs with cuda_graphs=True. On a CPU one round is queued and read back at once; on CUDA the next rounds
+are queued before a read-back. A round's cost against plain decoding:
+`python benchmarks/decode_steps.py --random-draft`.
 
 `generate_plain` (and `generate` without a draft) runs the same engine one target step per token:
 the baseline speculation is measured against.
