@@ -144,9 +144,9 @@ CHOICES = {"target": (True, False), "none": (False, False), "all": (True, True)}
 
 ATTENTION = {"default": None, "grouped": True, "sdpa": False, "matmul": True}  # Speedups(grouped_attention=...)
 MATMUL_ROWS = 64  # --attention matmul: grouped, with verifies of up to this many rows spelt as matmuls too
-# speculation, greedy or sampled: rounds.py's rounds (as shipped: the next batch queued before a read-back), the same
-# without that overlap (each batch read back before the next is queued), or every round read back
-ROUNDS = ("on", "batched", "off")
+# speculation, greedy or sampled: rounds.py's rounds (as shipped: the next batch queued before a read-back), or the same
+# without that overlap (each batch read back before the next is queued)
+ROUNDS = ("on", "batched")
 
 
 # the tree's selections: as shipped (orders by ranking, top-k by groups: tree.RANK_SORT_MAX, tree.TOPK_GROUP) or
@@ -190,8 +190,6 @@ def warmed(make, choice: str, attn: str, rounds: str, select: str, ids: torch.Te
             dec = make(grouped_attention=ATTENTION[attn])
             dec.bench_arm = arm  # measure() runs it so again
             if not plain:  # rounds are the speculative decoder's: a plain one has none to switch
-                if rounds == "off":
-                    dec.rounds, dec.sample_in_rounds = None, False
                 dec.rounds_overlap = dec.rounds_overlap and rounds == "on"
             generation(dec, ids, new, plain, sampling)
     finally:
@@ -242,13 +240,13 @@ def main(argv=None) -> int:
                    "comma-separated list times each in turn")
     p.add_argument("--rounds", default="on", metavar="CHOICES",
                    help="chains and trees, greedy or sampled: on (as shipped: rounds that never wait for the host, "
-                   "rounds.py, the next batch queued before a read-back), batched (without that overlap) or off "
-                   "(every verdict read back); on,batched,off times each in turn")
+                   "rounds.py, the next batch queued before a read-back) or batched (without that overlap: each "
+                   "batch read back before the next is queued); on,batched times each in turn")
     p.add_argument("--tree-select", default="ours", metavar="CHOICES",
                    help="how a tree's round orders scores and takes the draft's top-k: ours (as shipped: ranking, "
                    "top-k by groups, on CUDA) or aten (its sort and top-k); ours,aten times each in turn")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above: sampled rounds "
-                   "(seed 0 in every arm), --rounds off reading each verdict back")
+                   "(seed 0 in every arm)")
     p.add_argument("--modes", default="plain,chain,tree", help="which of plain, chain, tree to time")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)

@@ -1,14 +1,18 @@
-"""Shared helpers of the decoding tests: a tiny target, drafts for it, greedy references, a CPU
-stand-in for CUDA graph capture, a count of the launches outside replays. Their fixtures (llama,
-seqs, drafts) are in conftest.py."""
+"""Shared helpers of the decoding tests: a tiny target, drafts for it, greedy references, the reference round
+read back every round (HostRound), a CPU stand-in for CUDA graph capture, a count of the launches outside
+replays. Their fixtures (llama, seqs, drafts) are in conftest.py."""
 
 import torch
 
 from eaglewire.capture import capture
 from eaglewire.checkpoint import load_draft, save_draft
+from eaglewire.decode.acceptance import (verify_chain_greedy, verify_chain_sampling, verify_tree_greedy,
+                                         verify_tree_sampling)
 from eaglewire.decode.decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.speedups import Speedups
+from eaglewire.decode.tree import DraftTree, grow, prune, tree_attention
 from eaglewire.runtime.runners import SlotRunner
+from eaglewire.runtime.sampling import logits_to_probs, sample_with
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.taps import TapContract
 from eaglewire.targets import Target, fingerprint
@@ -158,3 +162,89 @@ def same_samples(a, b, sampling, ps, seeds: int, new: int) -> int:
             assert x.tokens == y.tokens and x.accepted_per_step == y.accepted_per_step, (p, seed)
             rounds += len(y.accepted_per_step)
     return rounds
+
+
+class HostRound:
+    """The reference round, read back every round: the draft's extend and its chain or tree step by step
+    through the runners' own forwards (tree.grow, tree.prune), the verify, acceptance.py's host rules
+    (verify_chain_greedy, verify_chain_sampling, verify_tree_greedy, verify_tree_sampling), both caches
+    committed from the host. `host_rounds(dec)` puts it in the place of a decoder's rounds (rounds.py), which
+    must commit what it commits, round by round: it shares their rules' definitions, not their code."""
+
+    def __init__(self, dec, sampling, gen):
+        self.dec, self.sampling, self.gen = dec, sampling, gen
+        self.rows = dec.spec.K + 1 if dec.spec.mode == "chain" else dec.spec.depth + 1
+
+    def headroom(self, ahead: int) -> int:
+        return ahead * self.rows
+
+    def start(self, feed) -> None:
+        self.feed = feed
+
+    def queue(self, count: int) -> list:
+        return [self._step() for _ in range(count)]
+
+    def collect(self, batch: list) -> list:
+        return batch
+
+    def _step(self) -> tuple[int, list[int]]:
+        dec, sampling, gen = self.dec, self.sampling, self.gen
+        taps, next_ids = self.feed
+        d, v, s = dec.drafter, dec.verifier, dec.spec
+        logits, hidden = d.forward({"ids": next_ids, "taps": taps}, d.length)  # the extend
+        d.commit(len(next_ids))
+        draft = self._chain if s.mode == "chain" else self._tree
+        tree, q, attn = draft(logits[-1], hidden[-1], d.length - 1)
+        d.commit(0)  # the draft's own rows are never kept
+        ids = torch.cat([next_ids[-1:], tree.tokens])  # [root] + the draft's tokens, one verify
+        logits, taps = v.forward({"ids": ids}, v.length) if attn is None else \
+            v.forward({"ids": ids}, v.length + attn[1], attn[0])
+        if sampling.greedy:
+            if s.mode == "chain":
+                n, tokens = verify_chain_greedy(tree.tokens, logits)
+                path = list(range(n))
+            else:
+                path, tokens = verify_tree_greedy(tree, logits, s.depth)
+        elif s.mode == "chain":
+            n, tokens = verify_chain_sampling(tree.tokens, q, logits_to_probs(logits, sampling), generator=gen)
+            path = list(range(n))
+        else:
+            path, tokens = verify_tree_sampling(tree, logits_to_probs(logits, sampling), gen, s.depth)
+        rows = [0] + [1 + i for i in path]  # the root's row and the accepted nodes'
+        v.commit(rows)
+        self.feed = (taps[rows], torch.tensor(tokens, device=dec.device))
+        return len(path), tokens
+
+    def _chain(self, logits, hidden, root_pos: int):
+        """K tokens, each fed back with the draft's own hidden state; sampled with K uniform draws made first."""
+        dec, sampling, K = self.dec, self.sampling, self.dec.spec.K
+        u = None if sampling.greedy else torch.rand(K, generator=self.gen, device=dec.device)
+        tokens, qs = [], []
+        for i in range(K):
+            if i:  # token i-1 at position root_pos + i, seeing the round's earlier draft rows (causal)
+                logits, hidden = dec.drafter.forward({"ids": tokens[-1], "hidden": hidden[None]}, root_pos + i)
+                logits, hidden = logits[0], hidden[0]
+            if u is None:
+                tokens.append(dec.draft_ids[logits.argmax().view(1)])
+                continue
+            qs.append(logits_to_probs(logits, sampling))
+            tokens.append(dec.draft_ids[sample_with(qs[-1], u[i:i + 1])])
+        q = torch.zeros(K, dec.vocab, device=dec.device).index_copy_(1, dec.draft_ids, torch.stack(qs)) if qs else None
+        return DraftTree.chain(torch.cat(tokens)), q, None
+
+    def _tree(self, logits, hidden, root_pos: int):
+        """EAGLE-2: grown a level at a time through the draft's forwards, pruned, masked."""
+        dec, s = self.dec, self.dec.spec
+
+        def forward(tokens, h_in, block, rel):
+            return dec.drafter.forward({"ids": tokens, "hidden": h_in}, root_pos + rel, block)
+
+        tree = prune(grow(logits, hidden, s.depth, s.topk, dec.draft.draft_to_target, forward), s.budget, s.depth)
+        block, rel = tree_attention(tree, 0, s.depth)
+        return tree, None, (block[0, 0], rel)
+
+
+def host_rounds(dec):
+    """`dec` with every round a HostRound (the reference): returned for chaining."""
+    dec._rounds_for = lambda sampling, gen: HostRound(dec, sampling, gen)
+    return dec

@@ -11,15 +11,16 @@ import warnings
 
 import pytest
 import torch
-from decoding import (CHAIN, CONTRACT, TREE, as_target, decoder, fake_capture, fit, launch_counter, new_draft, prompts,
-                      reference_greedy, same_samples, save_load)
+from decoding import (CHAIN, CONTRACT, TREE, as_target, decoder, fake_capture, fit, host_rounds, launch_counter,
+                      new_draft, prompts, reference_greedy, same_samples, save_load)
 from tiny import tiny_model
 
 import eaglewire.decode.decoder as decode
+import eaglewire.decode.rounds as rounds_mod
 import eaglewire.decode.tree as tree_mod
 from eaglewire.runtime.compiled import CompileError
 from eaglewire.runtime.runners import SlotRunner
-from eaglewire.runtime.sampling import SamplingParams, logits_to_probs
+from eaglewire.runtime.sampling import SamplingParams, logits_to_probs, sample_with
 from eaglewire.errors import UsageError
 from eaglewire.taps import TapContract
 
@@ -64,18 +65,18 @@ def test_greedy_with_a_deeper_draft_equals_target_greedy(llama, seqs, drafts, sh
         assert max(accepted) > 0  # the deeper draft's proposals were accepted too
 
 
-@pytest.mark.parametrize("shape, keys", [(CHAIN, {"greedy_chain", "extend_chain", "sample_chain"}),
-                                         (TREE, {"tree"})], ids=["chain", "tree"])
+@pytest.mark.parametrize("shape, keys", [(CHAIN, {"rounds", "sampled_rounds"}),
+                                         (TREE, {"tree_rounds", "sampled_tree_rounds"})], ids=["chain", "tree"])
 def test_one_replay_drafting_drafts_what_step_by_step_drafting_does(llama, seqs, drafts, shape, keys):
-    """Static runners draft a greedy chain (DraftRunner.greedy_chain; with the round's extend before it,
-    DraftRunner.extend_greedy_chain), a sampled chain's feedback steps (DraftRunner.sample_chain, given
-    the round's uniform draws), or expand, prune and mask a tree (DraftRunner.tree), as one function; the
-    exact path goes step by step. Greedy output equality cannot see a wrong draft token (the verifier only
+    """Static runners draft in rounds.py's rounds, from the first round on: the round's extend and a greedy
+    chain (DraftRunner.extend_chain), a sampled one (given the round's uniform draws), or the extend and a
+    tree expanded, pruned and masked (DraftRunner.extend_tree), as one function; the reference round
+    (decoding.HostRound, on exact runners) goes step by step. Greedy output equality cannot see a wrong draft token (the verifier only
     rejects it), the acceptance of every round can; sampled rounds must match token for token too (a
     tree's candidates are deterministic)."""
     accepted = []
     for name in ("trained", "perturbed"):
-        exact = decoder(llama, *drafts[name], static_shapes=False, **shape)
+        exact = host_rounds(decoder(llama, *drafts[name], static_shapes=False, **shape))
         one = decoder(llama, *drafts[name], static_shapes=True, **shape)
         for p in prompts(seqs):
             a, b = exact.generate(p, 32), one.generate(p, 32)
@@ -84,14 +85,14 @@ def test_one_replay_drafting_drafts_what_step_by_step_drafting_does(llama, seqs,
         hot = SamplingParams(temperature=0.8, top_p=0.9)
         a, b = exact.generate(prompts(seqs)[0], 24, hot, seed=3), one.generate(prompts(seqs)[0], 24, hot, seed=3)
         assert a.tokens == b.tokens and a.accepted_per_step == b.accepted_per_step, name
-        assert keys <= {k[0] for k in one.drafter._static}  # a 9-token prompt's first extend: no fused graph
+        assert keys <= {k[0] for k in one.drafter._static}
     assert 0 in accepted and max(accepted) == (shape.get("K") or shape["depth"])  # rejections and full rounds
 
 
 def test_a_tree_drafted_with_the_top_k_by_groups_drafts_what_atens_top_k_does(llama, seqs, drafts, monkeypatch):
     """The draft's top-k by groups (tree.top_k_by_groups, CUDA's way), forced onto this CPU with groups of 16 of the
-    128-token vocabulary: the exact and the one-replay tree decoders accept, round for round, what they accept with
-    aten's top-k, greedy and sampled (fp32 logits do not tie, so the candidates are the same tokens)."""
+    128-token vocabulary: the reference round on exact runners (decoding.HostRound) and rounds.py's tree rounds on
+    static ones accept, round for round, what they accept with aten's top-k, greedy and sampled (fp32 logits do not tie, so the candidates are the same tokens)."""
     hot = SamplingParams(temperature=0.8, top_p=0.9)
     runs = {}
     for way in ("aten", "groups"):
@@ -100,6 +101,8 @@ def test_a_tree_drafted_with_the_top_k_by_groups_drafts_what_atens_top_k_does(ll
             monkeypatch.setattr(tree_mod, "TOPK_GROUP", 16)  # 8 groups, 3 chosen
         for static in (False, True):
             dec = decoder(llama, *drafts["trained"], static_shapes=static, **TREE)
+            if not static:
+                host_rounds(dec)
             runs[way, static] = [(r.tokens, r.accepted_per_step) for r in
                                  [dec.generate(p, 24) for p in prompts(seqs)[:4]] +
                                  [dec.generate(prompts(seqs)[0], 24, hot, seed=3)]]
@@ -111,13 +114,13 @@ def test_a_tree_drafted_with_the_top_k_by_groups_drafts_what_atens_top_k_does(ll
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.5), SamplingParams(temperature=1.0, top_k=8,
                                                                                           top_p=0.95)])
 def test_a_sampled_chain_in_one_replay_draws_what_the_steps_draw(llama, seqs, drafts, sampling):
-    """DraftRunner.sample_chain: the K-1 feedback steps of a sampled chain as one static function, each token
+    """SampledChainRounds: the K-1 feedback steps of a sampled chain inside one static function, each token
     drawn with the round's uniform draw for its step (sampling.sample_with), the same tokens and the
     same acceptance as drafting step by step with the same draws, over prompts and seeds."""
-    exact = decoder(llama, *drafts["perturbed"], static_shapes=False, **CHAIN)
+    exact = host_rounds(decoder(llama, *drafts["perturbed"], static_shapes=False, **CHAIN))
     one = decoder(llama, *drafts["perturbed"], static_shapes=True, **CHAIN)
     assert same_samples(exact, one, sampling, prompts(seqs)[:4], seeds=3, new=20) > 20
-    assert any(k[0] == "sample_chain" for k in one.drafter._static)
+    assert any(k[0] == "sampled_rounds" for k in one.drafter._static)
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
@@ -186,47 +189,10 @@ def test_fake_cuda_graphs_replay_static_buffers(llama, seqs, drafts, monkeypatch
             assert dec.generate(p, 24).tokens == ref
             assert dec.generate_plain(p, 24).tokens == ref
     # per decoder: one verify graph, one plain graph and a prefill-chunk graph for each of those two
-    # runners; the draft's extends (taps) and steps (hidden), and rounds.py's; the tree decoder also
-    # moves accepted branches down in one graph for its synced first rounds and one for rounds.py's
-    # (replayed: the tokens above hold)
-    assert "move" in dec.verifier._static and captured.count("DraftRunner") >= 4
-    assert captured.count("TargetRunner") == 10
-
-
-def test_a_synced_chain_round_launches_little_outside_its_replays(llama, seqs, drafts, monkeypatch):
-    """A round that reads its verdict back (a greedy chain's first round, or any sampled one): between
-    its replays every tensor op is a kernel launch on CUDA (~5-9 us of host work, GPU idle after the
-    read-back). Counted on a CPU with static shapes: two replays a round (the draft's extend and chain
-    as one), no output copies (the round uses each graph output before that graph replays again), no
-    chain topology rebuilt, no host-side tensor work to commit a prefix, no sync besides the verdict's
-    one read-back (.tolist(), not an op), and the verify's causal block copied in once."""
-    replays, Ops = launch_counter(monkeypatch)
-    dec = decoder(llama, *drafts["random"], static_shapes=True, **CHAIN)
-    dec.rounds = None  # every round synced
-    p = prompts(seqs)[2]
-    rounds, step = [], dec._step
-
-    def counted(*a):
-        made = len(dec.drafter._static) + len(dec.verifier._static)
-        replays.clear()
-        with Ops() as ops:
-            out = step(*a)
-        if len(dec.drafter._static) + len(dec.verifier._static) == made:  # not a round that made a graph
-            rounds.append(ops.names + ["replay"] * len(replays))
-        return out
-
-    monkeypatch.setattr(dec, "_step", counted)
-    assert dec.generate(p, 24).tokens == reference_greedy(llama.model, p, 24)
-    assert len(rounds) >= 3
-    for names in rounds:
-        for banned in ("clone", "equal", "_local_scalar_dense", "max", "zeros", "sub"):
-            assert banned not in names, (banned, names)
-        # the draft's extend and chain are one replay: its root token's argmax is inside it
-        assert names.count("argmax") == 1 and names.count("replay") == 2, names  # the verdict's argmax
-        # input copies: the extend's ids and taps (its causal block only when its row count changed),
-        # the verify's ids (its causal block never again); positions are written in place, and the
-        # fills are the extend's `at` and last row, the verify's `at`
-        assert names.count("copy_") <= 4 and names.count("arange") == 2 and names.count("fill_") == 3, names
+    # runners; the draft's round and verdict (rounds.py; the draft's prefill is exact, no graph); the tree
+    # decoder also moves accepted branches down in one graph, rounds.py's (replayed: the tokens above hold)
+    assert any(k[0] == "tree_move" for k in dec.verifier._static) and captured.count("DraftRunner") >= 4
+    assert captured.count("TargetRunner") == 9
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
@@ -438,8 +404,8 @@ SAMPLINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, to
                                    dict(mode="tree", depth=2, topk=2, budget=4)], ids=["chain", "chain-static", "tree"])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-k5-p0.9"])
 def test_sampling_is_lossless(small, shape, sampling):
-    """Tokens 2 and 3 come out of verification steps; their marginals must be the target's (static shapes: the
-    chain's feedback steps sampled in one replay, DraftRunner.sample_chain)."""
+    """Tokens 2 and 3 come out of verification steps; their marginals must be the target's (rounds.py's sampled
+    rounds, on exact runners and on static ones)."""
     t, d, meta = small
     prompt = [1, 5, 2]
     exact = exact_marginals(t.model, prompt, sampling, 3)
@@ -456,17 +422,17 @@ def test_sampling_test_catches_a_broken_verifier(small, monkeypatch, broken):
     norm(max(p - q, 0)) (the classic bug), must fail the same test."""
     t, d, meta = small
 
-    def accept_all(tokens, q, p, generator=None):
-        return len(tokens), tokens.tolist() + [int(torch.multinomial(p[-1], 1, generator=generator))]
+    def accept_all(tokens, q, p, u):  # acceptance.chain_sampling_verdict's signature: every token kept
+        k = tokens.shape[0]
+        return torch.tensor([k]), torch.cat([tokens.long(), sample_with(p[k], u[k:k + 1])])
 
-    def no_residual(tokens, q, p, generator=None):
-        drafted = tokens.tolist()
-        for i, tok in enumerate(drafted):
-            if float(torch.rand((), generator=generator)) * q[i, tok] >= p[i, tok]:
-                return i, drafted[:i] + [int(torch.multinomial(p[i], 1, generator=generator))]
-        return len(tokens), drafted + [int(torch.multinomial(p[-1], 1, generator=generator))]
+    def no_residual(tokens, q, p, u):
+        k, idx = tokens.shape[0], tokens.long()[:, None]
+        n = (u[:k] * q.gather(1, idx).squeeze(1) < p[:k].gather(1, idx).squeeze(1)).long().cumprod(0).sum().view(1)
+        drawn = sample_with(p.index_select(0, n)[0], u[k:k + 1])  # from p, not from norm(max(p - q, 0))
+        return n, torch.cat([tokens.long(), drawn]).index_copy(0, n, drawn)
 
-    monkeypatch.setattr(decode, "verify_chain_sampling", accept_all if broken == "accept_all" else no_residual)
+    monkeypatch.setattr(rounds_mod, "chain_sampling_verdict", accept_all if broken == "accept_all" else no_residual)
     sampling = SAMPLINGS[0]
     exact = exact_marginals(t.model, [1, 5, 2], sampling, 2)
     counts, _ = sample_counts(decoder(t, d, meta, mode="chain", K=2), [1, 5, 2], sampling, 2, trials=1000)
@@ -598,6 +564,8 @@ def test_a_windowed_draft_decodes_alike_on_the_host_and_compiled(llama, seqs, dr
                 runs[name] = runs["host"]
                 continue
             dec = decoder(llama, d, meta, **kw, **shape)
+            if name == "host":
+                host_rounds(dec)
             runs[name] = [dec.generate(p, 16) for p in ps]
         for p, host, comp in zip(ps, runs["host"], runs["compiled"]):
             assert host.tokens == comp.tokens == reference_greedy(llama.model, p, 16)

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from decoding import CHAIN, TREE, decoder, fake_capture, prompts, reference_greedy
+from decoding import CHAIN, TREE, decoder, fake_capture, host_rounds, prompts, reference_greedy
 
 from eaglewire.runtime.runners import SlotRunner
 from eaglewire.runtime.sampling import SamplingParams
@@ -15,11 +15,10 @@ from round_kernels import by_kind, kind, ms_cell, per_round  # noqa: E402
 
 
 def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, monkeypatch):
-    """A greedy round's replays: the first (synced) round's draft extend and drafting (a chain's in one
-    replay, a tree's extend and tree), the verify, and a tree's move when it kept a branch; every later
-    round rounds.py's: the draft's round, the verify, the verdict (and a tree's move, every round). The
-    target's prefill chunks are not a round's work. A broken count (e.g. the prefill counted, or a graph
-    left out) would make the benchmark's host time wrong."""
+    """A greedy round's replays, every round rounds.py's: the draft's round, the verify, the verdict (and a
+    tree's move, every round); the draft's prefill is one exact forward, no replay. The target's prefill
+    chunks are not a round's work. A broken count (e.g. the prefill counted, or a graph left out) would make
+    the benchmark's host time wrong."""
     monkeypatch.setattr(SlotRunner, "_capture", fake_capture)
     p = prompts(seqs)[0]
     for shape in (CHAIN, TREE):
@@ -29,18 +28,14 @@ def test_replays_are_counted_per_round_without_the_prefill(llama, seqs, drafts, 
         dec.generate(p, 16)  # every size met is captured
         per_round, res = replays_per_round([dec.drafter, dec.verifier], lambda: dec.generate(p, 16))
         assert res.tokens == reference_greedy(llama.model, p, 16)
-        first = 1 / res.num_steps  # the synced first round's share
         verify = f"TargetRunner{(dec.verifier.sizes[0], ('ids',))}"
         assert per_round[verify] == 1.0, per_round
         draft_round, _, verdict, *move = (f"{type(r).__name__}{k}" for r, k in dec.rounds.keys)
-        assert per_round[draft_round] == per_round[verdict] == pytest.approx(1 - first), per_round
-        synced = sum(per_round[k] for k in per_round if k.startswith("DraftRunner") and k not in (draft_round, verdict))
-        if shape is CHAIN:  # the first round's extend-and-chain
-            assert synced == pytest.approx(first), per_round
-        else:  # the first round's extend and tree; the rounds' move every round, the synced one's at most once
-            assert synced == pytest.approx(2 * first), per_round
-            assert per_round[move[0]] == pytest.approx(1 - first), per_round
-            assert per_round.get("TargetRunnermove", 0) <= first
+        assert per_round[draft_round] == per_round[verdict] == 1.0, per_round
+        others = sum(per_round[k] for k in per_round if k.startswith("DraftRunner") and k not in (draft_round, verdict))
+        assert others == 0, per_round
+        if shape is TREE:  # the rounds' move every round, no other
+            assert per_round[move[0]] == 1.0 and per_round.get("TargetRunnermove", 0) == 0, per_round
         assert "prefill" not in dec.verifier.__dict__  # the wrapper is gone
 
 
@@ -73,17 +68,19 @@ def test_a_rounds_kernels_are_the_long_profile_less_the_short_one(llama, seqs, d
 
 
 def test_sampled_arms_make_the_same_tokens(llama, seqs, drafts):
-    """--temperature: every arm samples with seed 0, so rounds that never wait and rounds that read each verdict
-    back (--rounds off, which turns sampled rounds off too) make the same tokens: a timing compares like with like."""
+    """--temperature: every arm samples with seed 0, so rounds whose next batch is queued before a read-back
+    (--rounds on) and rounds read back batch by batch (--rounds batched) make the tokens of the reference round
+    that reads each verdict back (decoding.HostRound): a timing compares like with like."""
     hot, p = SamplingParams(temperature=1.0), prompts(seqs)[0]
     for shape in (CHAIN, TREE):
         def make(**kw):
             return decoder(llama, *drafts["perturbed"], static_shapes=True, **shape, **kw)
         on = warmed(make, "none", "default", "on", "ours", p, 16, False, hot)
-        off = warmed(make, "none", "default", "off", "ours", p, 16, False, hot)
-        assert on.sample_in_rounds and off.rounds is None and not off.sample_in_rounds
-        assert on._sampled and not off._sampled  # the warm-up ran sampled rounds in one arm only
-        assert generation(on, p, 24, False, hot).tokens == generation(off, p, 24, False, hot).tokens
+        on.rounds_overlap = True  # as on CUDA
+        batched = warmed(make, "none", "default", "batched", "ours", p, 16, False, hot)
+        assert not batched.rounds_overlap and on._sampled and batched._sampled  # the warm-ups ran sampled rounds
+        ref = generation(host_rounds(make()), p, 24, False, hot).tokens
+        assert generation(on, p, 24, False, hot).tokens == generation(batched, p, 24, False, hot).tokens == ref
 
 
 def test_kinds_with_nothing_in_a_round_print_a_dash():

@@ -1,9 +1,10 @@
-"""rounds.py: greedy chain and tree rounds that never wait for the host, against rounds that read each
-verdict back (decode.py's synced path)."""
+"""rounds.py: chain and tree rounds, greedy and sampled, that never wait for the host, against the reference
+round that reads each verdict back (decoding.HostRound: step by step, acceptance.py's host rules)."""
 
 import pytest
 import torch
-from decoding import CHAIN, TREE, counted_queues, decoder, launch_counter, prompts, reference_greedy, same_samples
+from decoding import (CHAIN, TREE, counted_queues, decoder, host_rounds, launch_counter, prompts, reference_greedy,
+                      same_samples)
 
 import eaglewire.runtime.runners as runners
 from eaglewire.runtime.sampling import SamplingParams
@@ -14,26 +15,24 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("ahead,overlap", [(1, False), (4, False), (1, True), (2, True)])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts, monkeypatch, shape, ahead, overlap):
-    """Greedy decoding on static shapes runs rounds.py after its first round: the verdict stays on the
-    device. A chain round is three replays (the draft's extend and chain, the verify, the verdict), a
+    """Greedy decoding runs rounds.py's rounds from the first round on: the verdict stays on the device. A chain round is three replays (the draft's extend and chain, the verify, the verdict), a
     tree round four (and the accepted branch's K/V move); outside them only the target's argmax and
     the taps' copy or gather; `ahead` rounds go by between read-backs, and with `overlap` (CUDA) the
     next batch is queued before a read-back. The same tokens and the same acceptance, round by round,
-    as rounds that read each verdict back (fp32), with EOS and the token limit cutting rounds computed
+    as the reference round that reads each verdict back (fp32), with EOS and the token limit cutting rounds computed
     past them."""
     replays, Ops = launch_counter(monkeypatch)
     monkeypatch.setattr(runners, "CACHE_ROUNDING", 64)  # so that a longer generation grows the caches
     monkeypatch.setattr(runners.TargetRunner, "prefill_chunk", 32)
     fast = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
-    synced = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
-    synced.rounds = None
+    synced = host_rounds(decoder(llama, *drafts["trained"], static_shapes=True, **shape))
     fast.rounds_ahead, fast.rounds_overlap = ahead, overlap
     reads = counted_queues(monkeypatch, fast.rounds, replays, Ops)
 
     def wasted(generate):  # rounds computed past the end of a generation
         before = sum(count for count, _, _ in reads)
         res = generate()
-        return res, sum(count for count, _, _ in reads) - before - (len(res.accepted_per_step) - 1)
+        return res, sum(count for count, _, _ in reads) - before - len(res.accepted_per_step)
 
     kept = 0
     for p in prompts(seqs)[:4]:
@@ -76,16 +75,15 @@ def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts
 def test_sampled_rounds_commit_what_synced_sampled_rounds_do(llama, seqs, drafts, monkeypatch, shape, overlap):
     """Sampling on static shapes runs rounds too, its verdict on the device: speculative sampling's for a chain
     (SampledChainRounds), the tree walk with a draw at each row for a tree (SampledTreeRounds). With the
-    round's uniform draws made in the synced rounds' order, the same seed gives the same tokens and
-    acceptance, round by round (fp32). A chain round is three replays, two draws and two copies; a tree
+    round's uniform draws made in the reference round's order, the same seed gives the same tokens and
+    acceptance, round by round (fp32), as the reference round. A chain round is three replays, two draws and two copies; a tree
     round four replays, one draw, the logits' copy and the taps' gather."""
     replays, Ops = launch_counter(monkeypatch)
     fast = decoder(llama, *drafts["perturbed"], static_shapes=True, **shape)
-    synced = decoder(llama, *drafts["perturbed"], static_shapes=True, **shape)
-    synced.sample_in_rounds = False
+    synced = host_rounds(decoder(llama, *drafts["perturbed"], static_shapes=True, **shape))
     fast.rounds_overlap = overlap
     hot = SamplingParams(temperature=1.2, top_k=12)
-    reads = counted_queues(monkeypatch, fast._sampled_rounds(hot, None), replays, Ops)
+    reads = counted_queues(monkeypatch, fast._rounds_for(hot, None), replays, Ops)
     assert same_samples(synced, fast, hot, prompts(seqs)[:4], seeds=2, new=24) > 16 and len(reads) > 8
     tree = shape is TREE
     for count, replayed, names in reads[1:]:  # (the first made the rounds' static functions)
@@ -94,7 +92,7 @@ def test_sampled_rounds_commit_what_synced_sampled_rounds_do(llama, seqs, drafts
         each = ["uniform_", "copy_", "index_select"] if tree else ["uniform_", "uniform_", "copy_", "copy_"]
         assert sorted(launched) == sorted(each * count), names
     from torch.fx.experimental.proxy_tensor import make_fx  # the verdict is a CUDA graph on a GPU: no read-back
-    r = fast._sampled_rounds(hot, None)
+    r = fast._rounds_for(hot, None)
     keys, extra = sorted(r.verdict), (fast.spec.depth,) if tree else ()
     with torch.no_grad():
         make_fx(lambda *v: r._verdict(dict(zip(keys, v)), *extra))(*[r.verdict[k].clone() for k in keys])
@@ -104,8 +102,7 @@ def test_sampled_rounds_commit_what_synced_sampled_rounds_do(llama, seqs, drafts
 def test_overlapped_read_backs_through_pinned_mirrors(llama, seqs, drafts, monkeypatch, shape):
     """On CUDA a batch's verdicts are copied to pinned host mirrors behind its last replay, and read
     there once its event has passed. Here the mirrors are CPU tensors and the event a stand-in: each
-    batch copied once, each read after its copy, and the tokens those of rounds that read each verdict
-    back."""
+    batch copied once, each read after its copy, and the tokens those of the reference round."""
     import eaglewire.decode.rounds as rounds_mod
     events = []
 
@@ -123,8 +120,7 @@ def test_overlapped_read_backs_through_pinned_mirrors(llama, seqs, drafts, monke
 
     monkeypatch.setattr(rounds_mod.torch.cuda, "Event", Event)
     fast = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
-    synced = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
-    synced.rounds = None
+    synced = host_rounds(decoder(llama, *drafts["trained"], static_shapes=True, **shape))
     fast.rounds_ahead, fast.rounds_overlap = 2, True
     p = prompts(seqs)[0]
     fast.generate(p, 40)  # makes the rounds' buffers; the mirrors then stand in for pinned ones
@@ -134,7 +130,7 @@ def test_overlapped_read_backs_through_pinned_mirrors(llama, seqs, drafts, monke
     got = fast.generate(p, 40)
     assert r.statics == r._current()  # the same buffers: no remake dropped the mirrors
     assert got.tokens == synced.generate(p, 40).tokens and events and all(e.waited for e in events[:-1])
-    k = len(got.accepted_per_step) - 1  # rounds after the synced first
+    k = len(got.accepted_per_step)  # every round, the first included
     assert (r.host[0][:k] >= 0).all() and torch.equal(r.host[1][:k], r.verdict["committed"][:k])
 
 
@@ -152,7 +148,8 @@ def test_verifies_spelt_as_matmuls_keep_greedy_tokens(llama, seqs, drafts, monke
 
 
 def synced_moves(dec, ps) -> list[bool]:
-    """Whether each synced round of `dec` over prompts `ps` kept a branch other than the first nodes."""
+    """Whether each reference round of `dec` (host_rounds) over prompts `ps` kept a branch other than the first
+    nodes."""
     moved, commit = [], dec.verifier.commit
 
     def watched(keep):

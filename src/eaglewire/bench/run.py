@@ -12,7 +12,7 @@ On a CPU in fp32 they run oneDNN-packed linear layers (prepack.py; "+onednn" in 
 `fuse_projections` (on: the decoder's default, targets up to 1B parameters; speedups.py) runs (b) and (c)
 with q/k/v and gate/up as one matmul each ("+fused"; projections.py). `grouped_attention` (None: the
 decoder's default, on for CUDA) runs a target whose query heads share K/V heads through attention.py ("+grouped").
-Greedy speculation on static shapes runs rounds that never wait for the host ("+rounds"; rounds.py).
+Speculation on static shapes runs its rounds (rounds.py) at fixed shapes, compiled or captured ("+rounds").
 `--shapes` times several draft shapes against one run without a draft instead (shapes.py).
 
 Acceptance length = generated tokens / verification steps, the bonus token included (SGLang
@@ -242,8 +242,8 @@ def decoder_runner(target, draft, meta, cfg: BenchConfig, device: torch.device, 
     name = "eaglewire-" + ("base" if not speculate else
                            f"chain-K{shape.K}" if shape.mode == "chain"
                            else f"tree-d{shape.depth}-k{shape.topk}-b{shape.budget}")
-    # rounds that never wait for the host (rounds.py): greedy, and sampled where the decoder samples in rounds
-    rounds = speculate and dec.rounds is not None and (greedy or dec.sample_in_rounds)
+    # every speculative round is rounds.py's; "+rounds" names those on static shapes (compiled, captured on CUDA)
+    rounds = speculate and dec.verifier.static
     done = dec.applied
     return name + ("+compile" if cfg.compiles(device) else "") + ("+onednn" if done.prepack else "") + \
         ("+fused" if done.fuse_projections else "") + ("+grouped" if done.grouped_attention else "") + \

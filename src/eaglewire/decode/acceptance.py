@@ -10,10 +10,11 @@ one target forward over [root] + draft tokens):
 
 Each rule is written once, on the device, as a function with no read-back and no control flow that
 depends on the data (`chain_verdict`, `chain_sampling_verdict`, `tree_verdict`, `tree_sampling_verdict`):
-rounds.py calls them inside its CUDA graphs. The verify_* functions are the same rules for decode.py's
-synced rounds. Their verdict is read back to the host in one copy: what was accepted (a count, or a
-tree's node path) and the tokens the round commits. Those are the accepted draft tokens and ONE more
-token (the correction or the bonus), so a round always commits n_accepted + 1 tokens.
+rounds.py calls them in every round (inside its CUDA graphs on a GPU). The verify_* functions are the same
+rules read back to the host in one copy, for a round taken step by step (the tests' reference round,
+tests/decoding.py). Their verdict is what was accepted (a count, or a tree's node path) and the tokens the round
+commits. Those are the accepted draft tokens and ONE more token (the correction or the bonus), so a round always
+commits n_accepted + 1 tokens.
 
 Two proposal kinds need two different rules to be lossless (the emitted tokens have exactly the
 target's sampling distribution):
@@ -108,9 +109,8 @@ def verify_tree_sampling(tree: DraftTree, target_probs: torch.Tensor, generator:
 
 
 # --- the rules on the device ------------------------------------------------------------------------
-# One function per rule, no read-back and no control flow that depends on the data: the synced rounds
-# (decode.py, through the verify_* functions above) and the rounds that never wait (rounds.py, inside
-# their CUDA graphs) call the same ones.
+# One function per rule, no read-back and no control flow that depends on the data: the rounds (rounds.py,
+# inside their CUDA graphs on a GPU) and the verify_* functions above (read back) call the same ones.
 
 def chain_verdict(draft_tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy chain rule: accept while draft_tokens[i] == chosen[i]. draft_tokens (K,); chosen (K+1,) the

@@ -2,32 +2,32 @@
 
 Which file does what:
 
-  decode.py        the loop: prefill, then rounds until EOS or the token limit (`SpecDecoder`);
-  acceptance.py    the rules: what a round accepts, greedy and lossless sampling, chain and tree, each
-                   written once for both kinds of round;
+  decoder.py       the loop: the prefills, then rounds until EOS or the token limit (`SpecDecoder.generate`);
+  rounds.py        the round, one traceable body per kind (chain, tree; greedy, sampled) over fixed buffers;
+  acceptance.py    the rules: what a round accepts, greedy and lossless sampling, chain and tree;
   tree.py          EAGLE-2 trees: grow, prune, their attention masks;
-  draft_runner.py  the draft's drafting loops as one replay each, over runtime/runners.py's static-shape
-                   forwards (slot KV caches, padded fixed sizes, compiled functions and CUDA graphs);
-  rounds.py        the device-resident rounds: the same round with its verdict kept on the device;
+  draft_runner.py  the draft's drafting loops, traceable, over runtime/runners.py's slot KV caches;
   speedups.py      the speed-ups (fused projections, prepacking, grouped attention, compile, CUDA graphs),
                    applied from outside the models in one ordered function.
 
 The models' fixed-shape calls, their K/V storage and sampling are the runtime's (runtime/): the data stage
 runs the target with them too, without the decoder.
 
-One round (`_step`), after a prefill that ran the target over the prompt and chose the first token:
+A generation: the target's prefill over the prompt chooses the first token; the draft's prefill extends the
+draft over the prompt but its last row; then rounds. Each round (rounds.py) is:
 
   1. draft: extend the draft with what the target committed last round (the taps of those positions with
      the tokens that follow them: docs/ARCHITECTURE.md "Token alignment"), then a chain of K tokens, or a
      tree (top-k children per depth, the best top-k expanded, pruned to `budget` nodes by cumulative
-     log-prob: EAGLE-2). With static shapes either is ONE function of the draft runner (one CUDA-graph
-     replay on a GPU), not a host loop over steps;
+     log-prob: EAGLE-2);
   2. verify all of it in ONE target forward with the tree attention mask;
-  3. accept: acceptance.py decides (greedy: exact; sampling: lossless), read back in one copy;
-  4. commit the accepted path in both KV caches (slot caches: nothing to roll back).
+  3. the verdict: acceptance.py's rule decides (greedy: exact; sampling: lossless), the committed tokens
+     and the next extend's inputs stay on the device (a tree also moves the accepted branch's K/V).
 
-Greedy and sampled decoding on static shapes keep the verdict on the device after the first round and read
-several rounds back at once (rounds.py): the GPU never waits for the host between rounds.
+The same body runs everywhere: eagerly (a CPU, debugging), compiled with compile=True, captured in CUDA
+graphs with cuda_graphs=True. On a CPU one round is queued and read back at once; on CUDA the next rounds
+are queued before a read-back. A round's cost against plain decoding:
+`python benchmarks/decode_steps.py --random-draft`.
 
 `generate_plain` (and `generate` without a draft) runs the same engine one target step per token:
 the baseline speculation is measured against.
@@ -44,12 +44,10 @@ import torch
 from ..checkpoint import check_pair
 from ..errors import UsageError
 from ..runtime.runners import TargetRunner
-from ..runtime.sampling import SamplingParams, logits_to_probs, sample_with
-from .acceptance import verify_chain_greedy, verify_chain_sampling, verify_tree_greedy, verify_tree_sampling
+from ..runtime.sampling import SamplingParams, logits_to_probs
 from .draft_runner import DraftRunner
 from .rounds import ROUNDS_AHEAD, ChainRounds, SampledChainRounds, SampledTreeRounds, TreeRounds
 from .speedups import Speedups, apply, refresh
-from .tree import DraftTree, grow, prune, tree_attention
 
 MODES = ("chain", "tree")
 PLAIN_AHEAD = 8  # plain decoding on CUDA: steps queued between read-backs (generate_plain)
@@ -175,69 +173,60 @@ class SpecDecoder:
         self.draft_ids = torch.arange(draft.config.draft_vocab_size, device=p.device) + draft.d2t  # -> target id
         self.verifier = TargetRunner(model, meta.contract, sizes=(verify,), **runs)
         self.drafter = DraftRunner(engine_draft, sizes=sizes, max_pending=pending, **runs)
-        # greedy rounds on static shapes go on without waiting for the host (rounds.py)
-        self.rounds = None if not self.drafter.static else ChainRounds(self.drafter, self.verifier, s.K) \
-            if s.mode == "chain" else TreeRounds(self.drafter, self.verifier, s.depth, s.topk, s.budget)
+        # the greedy rounds (rounds.py); sampled ones are made per SamplingParams (_rounds_for)
+        self.rounds = ChainRounds(self.drafter, self.verifier, s.K) if s.mode == "chain" else \
+            TreeRounds(self.drafter, self.verifier, s.depth, s.topk, s.budget)
         self.rounds_ahead = ROUNDS_AHEAD if p.device.type == "cuda" else 1
         # the next rounds queued before a read-back: on a CPU they would run before it, for nothing
         self.rounds_overlap = p.device.type == "cuda"
-        # sampled chains and trees on static shapes go on without waiting too, one set of rounds per SamplingParams
-        self.sample_in_rounds = self.rounds is not None
         self._sampled: dict[SamplingParams, SampledChainRounds | SampledTreeRounds] = {}
 
     # -- entry points ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, sampling: SamplingParams = GREEDY, eos_ids=(),
                  stream=None, seed: int | None = None) -> GenerationResult:
-        """New tokens for a prompt (P,) or (1, P); stream(list of new ids) is called once per step
-        (without a draft on CUDA: once per PLAIN_AHEAD tokens)."""
+        """New tokens for a prompt (P,) or (1, P); stream(list of new ids) is called once per round
+        (without a draft on CUDA: once per PLAIN_AHEAD tokens).
+
+        The prefills, then rounds (rounds.py): `rounds_ahead` queued, then read back together, on CUDA
+        after the next batch is queued (`rounds_overlap`). Never more rounds queued than could all be
+        needed before the token limit (each commits at most `rows` tokens, the ones in flight too), so
+        only an EOS wastes any; rounds read back past the end are dropped."""
         if self.draft is None:
             return self.generate_plain(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
         ids, gen, out = self._start(input_ids, max_new_tokens, sampling, eos_ids, stream, seed)
-        ahead = self.rounds.headroom(self.rounds_ahead) if self.rounds else 0
+        r = self._rounds_for(sampling, gen)
         for run in (self.verifier, self.drafter):
-            run.reset(len(ids) + max_new_tokens + ahead)
+            run.reset(len(ids) + max_new_tokens + r.headroom(self.rounds_ahead))
         logits, taps = self.verifier.prefill(ids)
         tok = self._choose(logits, sampling, gen)
         out.add([int(tok)])
-        feed = (taps, torch.cat([ids[1:], tok.view(1)]))  # taps[t] goes with token t+1
-        accepted, rounds = [], self._rounds(feed, sampling, gen, out)
-        while not out.done:  # rounds queued past the end are dropped
-            n, tokens = next(rounds)
-            accepted.append(n)
-            out.add(tokens)
+        r.start(self._prefill_draft(taps, torch.cat([ids[1:], tok.view(1)])))  # taps[t] goes with token t+1
+        accepted, flying = [], None  # flying: a batch queued and not read back
+        while not out.done:
+            left = (out.max_new - len(out.tokens)) // r.rows - (flying[1] if flying else 0)
+            queued = r.queue(max(1, min(self.rounds_ahead, left))) if flying is None or left > 0 else None
+            batch, flying = (flying, queued) if self.rounds_overlap else (queued, None)
+            for n, tokens in r.collect(batch) if batch is not None else ():
+                if not out.done:
+                    accepted.append(n)
+                    out.add(tokens)
         return out.result(accepted, self.spec.levels)
 
-    def _rounds(self, feed, sampling: SamplingParams, gen, out: "_Output"):
-        """(accepted draft tokens, committed tokens) of each round, for as long as asked. After the first
-        round (its extend carries the whole prompt), greedy decoding on static shapes runs rounds.py's
-        rounds, and so does sampling (`sample_in_rounds`): `rounds_ahead` queued, then read back
-        together, with `rounds_overlap` after the next batch is queued. Never more rounds queued than could
-        all be needed before the token limit (each commits at most `rows` tokens, the ones in flight too),
-        so only an EOS wastes any."""
-        path, tokens, feed = self._step(feed, sampling, gen)
-        yield len(path), tokens
-        r = self.rounds if sampling.greedy else self._sampled_rounds(sampling, gen)
-        if r is not None:
-            r.start(feed)
-            flying = None  # a batch queued and not read back
-            while True:
-                left = out.max_new - len(out.tokens)
-                count = min(self.rounds_ahead, left // r.rows - (flying[1] if flying else 0))
-                queued = r.queue(max(1, count)) if flying is None or count > 0 else None  # never none at all
-                if flying is not None:
-                    yield from r.collect(flying)
-                flying = queued
-                if not self.rounds_overlap and flying is not None:
-                    yield from r.collect(flying)
-                    flying = None
-        while True:
-            path, tokens, feed = self._step(feed, sampling, gen)
-            yield len(path), tokens
+    def _prefill_draft(self, taps: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's extend over the prompt's rows but the last (one exact forward, kept): the first round's
+        feed is then that last row, which fits a round's fixed rows. Returns that feed (taps, next tokens)."""
+        d, n = self.drafter, len(next_ids) - 1
+        if n:
+            d.forward({"ids": next_ids[:n], "taps": taps[:n]}, 0, exact=True, copy=False)  # outputs unused
+            d.commit(n)
+        return taps[n:], next_ids[n:]
 
-    def _sampled_rounds(self, sampling: SamplingParams, gen) -> SampledChainRounds | SampledTreeRounds | None:
-        if not self.sample_in_rounds:
-            return None
+    def _rounds_for(self, sampling: SamplingParams, gen) -> ChainRounds | TreeRounds:
+        """The rounds of this sampling: the greedy ones, or the sampled ones of these SamplingParams (made once),
+        drawing from `gen`."""
+        if sampling.greedy:
+            return self.rounds
         s = self.spec
         if sampling not in self._sampled:
             self._sampled[sampling] = (
@@ -296,110 +285,6 @@ class SpecDecoder:
             t.copy_(theirs[name])
         refresh(self.drafter.draft)
         self.draft_ids.copy_(torch.arange(self.draft_ids.numel(), device=self.device) + self.draft.d2t)
-
-    # -- one round: draft -> verify -> accept -> commit ---------------------------------------------------
-    def _step(self, feed, sampling: SamplingParams, gen):
-        """One round that reads its verdict back. feed = (taps, next tokens): what the target committed last
-        round, for the draft's extend; the root (the last committed token) is the last of the next tokens.
-        Returns (accepted node indices, committed tokens (accepted + 1 more), the next round's feed)."""
-        taps, next_ids = feed
-        tree, q, attn = self._draft({"ids": next_ids, "taps": taps}, sampling, gen)  # draft_runner.py, tree.py
-        logits, taps = self._verify(next_ids[-1:], tree, attn)  # runtime/runners.py
-        path, tokens = self._accept(tree, q, logits, sampling, gen)  # acceptance.py
-        rows = [0] + [1 + i for i in path]  # the root's row and the accepted nodes'
-        self.verifier.commit(rows)  # the draft's rows were never kept (_draft): its next extend rewrites them
-        # a chain, or a tree's first nodes: a slice, no gather
-        taps = taps[:len(rows)] if path == list(range(len(path))) else taps[rows]
-        return path, tokens, (taps, torch.tensor(tokens, device=self.device))
-
-    def _verify(self, root: torch.Tensor, tree: DraftTree, attn) -> tuple[torch.Tensor, torch.Tensor]:
-        """[root] + the tree's nodes through the target in ONE forward: (logits, taps) at every row."""
-        v, ids = self.verifier, torch.cat([root, tree.tokens])
-        if self.spec.mode == "chain":  # a chain's tree mask is causal: the runner's cached block
-            return v.forward({"ids": ids}, v.length, copy=False)
-        block, rel = attn  # (n+1, n+1), depth offsets
-        return v.forward({"ids": ids}, v.length + rel, block, copy=False)
-
-    def _accept(self, tree: DraftTree, q, logits, sampling: SamplingParams, gen) -> tuple[list[int], list[int]]:
-        """acceptance.py's verdict: (accepted node indices, the tokens to commit), one read-back."""
-        chain = self.spec.mode == "chain"
-        if sampling.greedy:
-            if chain:
-                n, tokens = verify_chain_greedy(tree.tokens, logits)
-                return list(range(n)), tokens
-            return verify_tree_greedy(tree, logits, self.spec.depth)
-        probs = logits_to_probs(logits, sampling)
-        if chain:
-            n, tokens = verify_chain_sampling(tree.tokens, q, probs, generator=gen)
-            return list(range(n)), tokens
-        return verify_tree_sampling(tree, probs, gen, self.spec.depth)
-
-    # -- drafting ----------------------------------------------------------------------------------
-    def _draft(self, extend: dict[str, torch.Tensor], sampling: SamplingParams, gen):
-        """Extend the draft with the last round's committed tokens and their taps, then draft: a greedy
-        chain on static shapes does both in one replay. Returns (tree, q, verify block and offsets)."""
-        d, chain = self.drafter, self.spec.mode == "chain"
-        tokens = d.extend_greedy_chain(extend, self.spec.K - 1) if chain and sampling.greedy else None
-        if tokens is not None:
-            tree, q, attn = DraftTree.chain(tokens), None, None
-        else:
-            # copy=False (here and for the verify): each output is used, or copied into another graph's
-            # inputs, before its graph replays again in the next round
-            logits, hidden = d.forward(extend, d.length, copy=False)
-            d.commit(len(extend["ids"]))
-            draft = self._draft_chain if chain else self._draft_tree
-            tree, q, attn = draft(logits[-1], hidden[-1], d.length - 1, sampling, gen)
-        d.commit(0)  # the draft's own speculative rows are never kept: the next extend rewrites them
-        return tree, q, attn
-
-    def _draft_chain(self, logits, hidden, root_pos: int, sampling, gen):
-        """K tokens, each fed back with the draft's own hidden state. Returns (chain, q (K, V) or None, None):
-        greedy takes the draft's argmax; sampling draws from the draft's distribution (its q goes to
-        the verifier) with K uniform draws made first, so that one replay can sample the K-1 feedback
-        steps as the step-by-step path does. Tokens stay on the device: no host sync between draft steps."""
-        K, static = self.spec.K, self.drafter.static
-        if sampling.greedy and static:  # the K-1 feedback steps as one replay
-            first = self.draft_ids[logits.argmax().view(1)]  # a 1-d index: a 0-d one is read back (a sync)
-            rest = self.drafter.greedy_chain(first, hidden[None], root_pos + 1, K - 1) if K > 1 else first[:0]
-            return DraftTree.chain(torch.cat([first, rest])), None, None
-        u = None if sampling.greedy else torch.rand(K, generator=gen, device=self.device)
-        if u is not None and static:
-            qd = logits_to_probs(logits, sampling)[None]  # (1, Vd) over the draft vocabulary
-            tokens = [self.draft_ids[sample_with(qd[0], u[:1])]]
-            if K > 1:
-                rest, q_rest = self.drafter.sample_chain(tokens[0], hidden[None], root_pos + 1, K - 1, u[1:], sampling)
-                tokens, qd = tokens + [rest], torch.cat([qd, q_rest])
-        else:
-            tokens, qs = [], []
-            for i in range(K):
-                if i:  # token i-1 at position root_pos + i, seeing the round's earlier draft rows (causal)
-                    logits, hidden = self.drafter.forward({"ids": tokens[-1], "hidden": hidden[None]}, root_pos + i)
-                    logits, hidden = logits[0], hidden[0]
-                if u is None:
-                    tokens.append(self.draft_ids[logits.argmax().view(1)])
-                    continue
-                qs.append(logits_to_probs(logits, sampling))
-                tokens.append(self.draft_ids[sample_with(qs[-1], u[i:i + 1])])
-            qd = torch.stack(qs) if qs else None
-        q = None if qd is None else torch.zeros(K, self.vocab, device=self.device).index_copy_(1, self.draft_ids, qd)
-        return DraftTree.chain(torch.cat(tokens)), q, None
-
-    def _draft_tree(self, logits, hidden, root_pos: int, sampling, gen):
-        """EAGLE-2: top-k children of each frontier node, the best top-k (cumulative log-prob) form the
-        next frontier; `depth` levels, then pruned to `budget`. Candidates are deterministic: the
-        verifier's tree rule needs no q. Also returns the verify forward's block and depth offsets."""
-        s, d = self.spec, self.drafter
-        if d.static:  # the whole expansion, pruning and mask as one replay
-            tree, block, rel = d.tree(logits, hidden[None], root_pos, s.depth, s.topk, s.budget)
-            return tree, None, (block, rel)
-
-        def forward(tokens, h_in, block, rel):
-            return d.forward({"ids": tokens, "hidden": h_in}, root_pos + rel, block)
-
-        tree = grow(logits, hidden, s.depth, s.topk, self.draft.draft_to_target, forward)
-        tree = prune(tree, s.budget, s.depth)
-        block, rel = tree_attention(tree, 0, s.depth)
-        return tree, None, (block[0, 0], rel)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _start(self, input_ids, max_new_tokens, sampling, eos_ids, stream, seed):

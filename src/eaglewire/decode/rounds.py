@@ -1,31 +1,31 @@
-"""Speculative rounds that never wait for the host (`SpecDecoder`, static shapes: CUDA graphs): chains and
-trees, greedy and sampled.
+"""The decode round: one traceable body per kind (ChainRounds, SampledChainRounds, TreeRounds,
+SampledTreeRounds) over fixed buffers, which `SpecDecoder.generate` runs every round.
 
-A round that reads its verdict back leaves the GPU idle from that read-back until the next replay
-starts: the host must learn what was accepted before it can feed the next extend (on the H200, 0.29
-of a 2.0 ms chain-7 round and 0.51 of a 3.6 ms tree round were spent outside the replays;
-benchmarks/results/). Here the verdict never leaves the device. A round is a few replays over fixed
-buffers, shared between them:
+A round is a few static functions of the runners over buffers shared between them:
 
   1. the draft's extend over `rows` rows (the last round's committed tokens and their taps; rows past
      the accepted count are computed and never used) and its drafting from the last committed row: a
      greedy chain (ChainRounds), a sampled one (SampledChainRounds) or an EAGLE-2 tree (TreeRounds; its
-     verdict sampled in SampledTreeRounds),
-     written as the verify's input, with the draft's position moved past the kept rows;
-  2. the target's verify (its usual static forward) and, launched by the host, its argmax;
-  3. the verdict: what was accepted (acceptance.py's rules, the very functions the synced rounds read back),
-     the committed tokens written in the round's row, the next extend's inputs, the target's position moved
-     on (a tree also moves the accepted branch's K/V).
+     verdict sampled in SampledTreeRounds), written as the verify's input, with the draft's position moved
+     past the kept rows;
+  2. the target's verify (its usual static forward) and, launched by the host, its argmax (greedy) or
+     the round's uniform draws (sampled);
+  3. the verdict: what was accepted (acceptance.py's rules), the committed tokens written in the round's
+     row, the next extend's inputs, the target's position moved on (a tree also moves the accepted
+     branch's K/V).
 
-Each replay is a static function of a runner, built from the runners' fixed-shape interface (runtime/runners.py:
-make_function, forward_function, static_inputs, causal_block, masked_forward, move_rows; draft_runner.py:
-extend_chain, extend_tree).
+Each static function is built from the runners' fixed-shape interface (runtime/runners.py: make_function,
+forward_function, static_inputs, causal_block, masked_forward, move_rows; draft_runner.py: extend_chain,
+extend_tree). The same body runs eagerly (a CPU, debugging), compiled (compile=True) or captured in CUDA
+graphs (cuda_graphs=True).
 
-The host queues `ahead` rounds, then reads the counts and tokens back in one go. On CUDA it queues the
-next batch before it reads one back (`queue`, then `collect`): the copy to pinned memory is ordered behind
-the batch's last replay, so the GPU works on the next rounds while the host takes in the last ones.
-Rounds past an EOS are computed and dropped (up to 2 * ahead - 1 overlapped; the decoder queues no more
-rounds than the token limit could need), so both caches get room for them.
+The verdict stays on the device: the host queues `count` rounds, then reads their counts and tokens back in
+one go (`queue`, then `collect`). On a CPU one round is queued and read back at once. On CUDA the next
+batch is queued before a read-back: the copy to pinned memory is ordered behind the batch's last replay, so
+the GPU works on the next rounds while the host takes in the last ones. Rounds past an EOS are computed and
+dropped (up to 2 * ahead - 1 overlapped; the decoder queues no more rounds than the token limit could need),
+so both caches get room for them. What a round costs outside its replays:
+`python benchmarks/decode_steps.py --random-draft --rounds on,batched`.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ from .acceptance import chain_sampling_verdict, chain_verdict, tree_sampling_ver
 from .draft_runner import DraftRunner
 from .tree import grown_nodes
 
-# Rounds a read-back on CUDA, the next batch queued before it. Batched without that overlap, a round on an H200
-# still spent 0.24 (chain 7) and 0.30 ms (tree) outside its replays
-# (benchmarks/results/2026-11-30-run12-decoder-defaults.md): the GPU waited while the host took a batch in and
-# launched the next. Overlapped, one a batch is enough, and wastes least after an EOS.
+# Rounds a read-back on CUDA, the next batch queued before it. Batched without that overlap, the GPU waits while the
+# host takes a batch in and launches the next; overlapped, one a batch is enough, and wastes least after an EOS
+# (benchmarks/decode_steps.py --rounds on,batched measures both).
 ROUNDS_AHEAD = 1
 
 
@@ -63,8 +62,8 @@ class _Rounds:
         return tuple(runner.function(key) for runner, key in self.keys)
 
     def start(self, feed: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Take over after a synced round: feed = (taps (n+1, nH), next tokens (n+1,)) as `_step` returns
-        it, both runners committed and nothing pending."""
+        """Start after the prefills: feed = (taps (n+1, nH), next tokens (n+1,)), the committed rows the draft has
+        not seen yet (n + 1 <= rows), both runners committed and nothing pending."""
         d, v, rows = self.drafter, self.verifier, self.rows
         taps, ids = feed
         assert d.pending == 0 and v.pending == 0 and len(ids) <= rows
@@ -202,7 +201,7 @@ class SampledChainRounds(ChainRounds):
     """Sampled chain-of-K rounds, lossless on the device: the draft's extend and sampled chain
     (DraftRunner.extend_chain, sampled), the verify, the verdict (acceptance.chain_sampling_verdict), three
     replays; launched by the host, the round's uniform draws (K for the draft before it, K + 1 for the
-    verdict after the verify: the order in which the synced rounds draw them, so the same seed gives the
+    verdict after the verify: the order in which acceptance.py's host rules draw them, so the same seed gives the
     same tokens) and the verify's logits and taps copied in. `gen` is the generation's generator."""
 
     def __init__(self, drafter: DraftRunner, verifier: TargetRunner, K: int, sampling, draft_ids: torch.Tensor,
@@ -268,7 +267,7 @@ class TreeRounds(_Rounds):
         (d, draft_key), _, (_, verdict_key), (_, move_key) = self.keys
         self.draft_st = d.make_function(draft_key, self._draft_round, self.extend)
         self.verdict_st = d.make_function(verdict_key, self._verdict, self.verdict, self.depth)
-        # eager inside its graph, as the synced rounds' move (runners.py): a few index copies, nothing to fuse
+        # eager inside its graph, as the runners' own move (runners.py): a few index copies, nothing to fuse
         self.move_st = v.make_function(move_key, self._move, self.move, width, compile=False)
 
     def _round(self) -> None:
@@ -346,7 +345,7 @@ class SampledTreeRounds(TreeRounds):
     """Sampled EAGLE-2 tree rounds, lossless on the device: TreeRounds' round with the target's choice at each
     row drawn from its distribution instead of its argmax (acceptance.tree_sampling_verdict: draw x at a
     node, descend into the child that holds x, else emit x). Launched by the host: the round's uniform draws,
-    one a row of the tree (the order in which the synced rounds draw them, so the same seed gives the same
+    one a row of the tree (the order in which acceptance.py's host rules draw them, so the same seed gives the same
     tokens), and the verify's logits copied in. `gen` is the generation's generator."""
 
     def __init__(self, drafter: DraftRunner, verifier: TargetRunner, depth: int, topk: int, budget: int, sampling,

@@ -4,10 +4,10 @@ target accepts when a round starts at each position, and what a decoder walking 
 Token alignment (docs/ARCHITECTURE.md): a round that starts at position t has extended the draft
 with the taps of positions <= t and the token x_{t+1}. Step k (0-based) reads x_{t+1+k} and its own
 previous hidden state at RoPE position t+k. It attends to the extend's keys <= t and to its own
-earlier steps, and must reproduce the target's argmax at t+1+k, i.e. the token x_{t+2+k}. That is
-`SpecDecoder._draft_chain` (and TTT's unroll, which trains for it). On the target's own greedy
-continuation the token fed at step k is the draft's own when every earlier step was accepted, so the
-run of leading hits is exactly what verify_chain_greedy accepts there.
+earlier steps, and must reproduce the target's argmax at t+1+k, i.e. the token x_{t+2+k}. That is the
+decoder's chain round (rounds.py, DraftRunner.extend_chain; and TTT's unroll, which trains for it). On the
+target's own greedy continuation the token fed at step k is the draft's own when every earlier step was
+accepted, so the run of leading hits is exactly what verify_chain_greedy accepts there.
 
 Only the chains that are still alive are computed: step k runs at the positions whose steps < k all
 hit, so a probe costs about two draft passes per wiring instead of K.
