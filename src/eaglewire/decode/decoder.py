@@ -52,11 +52,10 @@ from .speedups import Speedups, apply, refresh
 MODES = ("chain", "tree")
 PLAIN_AHEAD = 8  # plain decoding on CUDA: steps queued between read-backs (generate_plain)
 GREEDY = SamplingParams()
-# The shape a round drafts where none is given (measured: benchmarks/results/). On a GPU a round is bound by
-# launches, so a long chain or a wide tree costs little more than one token: chain 7 and tree d6 k8 b63 were the
-# fastest on an H200. On a CPU each draft step and each verified row costs its own time. Two cores of an Intel Xeon,
-# one bench: chain 2 1.30x HF, chain 3 1.14x, chain 7 1.00x, tree d4 k3 b8 1.16x, d6 k8 b63 0.86x
-# (benchmarks/results/2026-11-30-run17-grown-layer.md); on an AMD EPYC chain 3 and d4 k3 b8 led chain 2 by 6-9%.
+# The shape a round drafts where none is given. On a GPU a round is bound by launches, so a long chain or a wide
+# tree costs little more than one token: chain 7 and tree d6 k8 b63 were the fastest there. On a CPU each draft
+# step and each verified row costs its own time, so short chains and small trees win. `eaglewire bench --shapes
+# chain:2,chain:3,tree:4x3x8` measures it on a machine (figures: benchmarks/results/).
 DEFAULT_SHAPES = {"cuda": {"K": 7, "depth": 6, "topk": 8, "budget": 63},
                   "cpu": {"K": 2, "depth": 4, "topk": 3, "budget": 8}}
 
