@@ -13,8 +13,9 @@
 Under `torchrun --nproc_per_node N -m eaglewire.cli recipe full|long ...` every rank loads the target,
 regenerates every N-th conversation and trains the draft (DDP) on all of them; rank 0 writes.
 
-Stages: prompts -> regenerate -> (datagen) -> train -> report. Each stage's time, the training
-tokens/s and the model-FLOPs utilisation (against PEAK_TFLOPS) go to report.json and stdout.
+Stages: prompts -> regenerate -> (datagen) -> train -> bench -> report. The held-out bench is built and
+warmed up before training's first step, so its compile is paid inside the budget. Each stage's time, the
+training tokens/s and the model-FLOPs utilisation (against PEAK_TFLOPS) go to report.json and stdout.
 `--mode replies` stops after regeneration: the replies (regenerated.jsonl) to pool with other runs'
 and train on later, e.g. one recipe a GPU with its own --seed, then one `torchrun ... train` over all.
 `--dataset-replies` also keeps the prompt file's own replies (dataset.jsonl) and trains on both.
