@@ -137,3 +137,8 @@ def test_a_variant_is_one_more_eaglewire_row_with_its_fields_changed(monkeypatch
     for bad in ("ttt3", "ttt3:", "t t:lr=1", "x:lr"):
         with pytest.raises(run.UsageError, match="--variant"):
             run.parse(["--work", "w", "--variant", bad])
+    # speculators' draft norms in one JSON value: its comma stays inside it, and train_eaglewire reads it as JSON
+    norms = run.parse(["--work", "w", "--variant",
+                       'norms:draft_overrides={"norm_before_residual":true,"norm_before_fc":true},lr=1'])
+    assert norms.variants["eaglewire-norms"] == ['draft_overrides={"norm_before_residual":true,"norm_before_fc":true}',
+                                                 "lr=1"]

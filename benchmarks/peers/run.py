@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -446,7 +447,8 @@ def parse(argv=None):
                    help="a training field of eaglewire's row (its ablations)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,FIELD=VALUE...]",
                    help="one more eaglewire row, eaglewire-NAME, trained with these fields changed (an ablation "
-                        "toward a peer's settings, e.g. ttt3:ttt_steps=3,ttt_decay=1.0)")
+                        "toward a peer's settings, e.g. ttt3:ttt_steps=3,ttt_decay=1.0; a JSON value may hold commas: "
+                        "norms:draft_overrides={\"norm_before_residual\":true,\"norm_before_fc\":true})")
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--device", default="cuda")
     a = p.parse_args(argv)
@@ -457,7 +459,7 @@ def parse(argv=None):
     a.variants = {}
     for v in a.variant:
         name, _, sets = v.partition(":")
-        fields = [x for x in sets.split(",") if x]
+        fields = [x for x in re.split(r",(?=\w+=)", sets) if x]  # a comma inside a JSON value stays in it
         if not name.replace("_", "").isalnum() or not fields or not all("=" in x for x in fields):
             raise UsageError(f"--variant {v!r}: NAME:FIELD=VALUE[,FIELD=VALUE...], e.g. ttt3:ttt_steps=3,ttt_decay=1.0")
         a.variants[f"{OURS}-{name}"] = fields
