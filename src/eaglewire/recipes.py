@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -420,30 +421,30 @@ class _WarmBench:
         self.estimate_s = 0.0
 
     def __call__(self, setup) -> float:
-        import tempfile
-
-        from .bench import run as bench
-
-        r, t0 = self.recipe, time.perf_counter()
+        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:  # the bench loads a checkpoint as any draft is loaded
             checkpoint.save_draft(setup.draft, Path(d) / "untrained", contract=setup.contract,
                                   target_fingerprint=setup.target.fingerprint)
             try:
-                self.bench = bench.warm(self.tgt, str(Path(d) / "untrained"), r.bench_suite, log=_log(self.progress),
-                                        max_prompts=r.bench_prompts, max_new_tokens=r.bench_new_tokens, hf=False,
-                                        device=str(self.tgt.device))
+                self.bench = _bench(self.recipe, self.tgt, Path(d) / "untrained", self.progress)
             except EaglewireError as e:
                 self.skipped = str(e)
                 return 0.0
         self.estimate_s = self.bench.estimate_s()
         if self.progress:
-            print(f"eaglewire recipe {r.name}: held-out bench warmed up in {time.perf_counter() - t0:.1f} s; its "
-                  f"timed runs will take at most {self.estimate_s:.1f} s, kept back from training", file=sys.stderr)
+            print(f"eaglewire recipe {self.recipe.name}: held-out bench warmed up in {time.perf_counter() - t0:.1f} "
+                  f"s; its timed runs, estimated at {self.estimate_s:.1f} s, are kept back from training",
+                  file=sys.stderr)
         return self.estimate_s
 
 
-def _log(progress: bool):
-    return (lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None)
+def _bench(recipe: Recipe, tgt, draft: Path, progress: bool):
+    """The held-out bench of `draft`, built and warmed up (bench.warm) with the recipe's settings."""
+    from .bench import run as bench
+
+    log = (lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None)
+    return bench.warm(tgt, str(draft), recipe.bench_suite, log=log, max_prompts=recipe.bench_prompts,
+                      max_new_tokens=recipe.bench_new_tokens, hf=False, device=str(tgt.device))
 
 
 def _held_out_bench(recipe: Recipe, tgt, checkpoint_dir, out: Path, progress: bool,
@@ -451,17 +452,13 @@ def _held_out_bench(recipe: Recipe, tgt, checkpoint_dir, out: Path, progress: bo
     """A short `bench` of the new draft on a suite it never trained on (the recipes leave the suites out): the
     numbers to plan with. Timed on `warmed`'s bench where one was built before training, else built now. A
     suite that cannot be read skips it with the reason; the draft is kept either way."""
-    from .bench import run as bench
-
     try:
         if warmed is not None and warmed.skipped:
             raise EaglewireError(warmed.skipped)
-        if warmed is not None and warmed.bench is not None:
+        if warmed is not None and warmed.bench is not None:  # the trained weights into the warmed decoder
             r = warmed.bench.run(str(checkpoint_dir), json_out=out / "bench.json")
         else:
-            r = bench.run_bench(tgt, str(checkpoint_dir), recipe.bench_suite, json_out=out / "bench.json",
-                                log=_log(progress), max_prompts=recipe.bench_prompts,
-                                max_new_tokens=recipe.bench_new_tokens, hf=False, device=str(tgt.device))
+            r = _bench(recipe, tgt, checkpoint_dir, progress).run(json_out=out / "bench.json")
     except EaglewireError as e:
         print(f"eaglewire recipe {recipe.name}: no held-out bench: {e}", file=sys.stderr)
         return {"suite": recipe.bench_suite, "skipped": str(e)}

@@ -465,8 +465,9 @@ class Bench:
     warmup_s: float = 0.0
 
     def estimate_s(self) -> float:
-        """An upper bound on the seconds `run` will time: each run once over the longest prompt for the full
-        length (every prompt costs at most that; an untrained draft accepts least), times the prompts."""
+        """An estimate of the seconds `run` will time: each run once over the longest prompt, times the prompts.
+        It reads high where the longest prompt costs most and the draft timed accepts more than this one (an
+        untrained draft accepts least), and low where this reply stops at EOS before the others do."""
         longest = max(self.prompts, key=lambda p: p.shape[1])
         once = sum(run(longest, self.cfg.max_new_tokens, self.cfg.seed).wall_s for _, run, _ in self.runners.values())
         return once * len(self.prompts)
