@@ -15,6 +15,8 @@ from eaglewire.train.trainer import Trainer as _Run, train
 FAST = dict(batch_tokens=512, log_every=1, eval_fraction=0.2, max_len=256, lr=3e-3, eval_every=100)
 FIRST_STEP_S = 3.0  # a slow first step, as a compiled one is
 BUDGET_S = 2.0
+STEP_S = 0.3  # a slow step, as a large online target's is
+SLOW_BUDGET_S = 8.4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,3 +83,30 @@ def test_before_loop_sees_the_draft_and_what_it_returns_comes_off_the_budget(set
     assert r.metrics["steps"] == (4 if kept == 0 else 1)  # 102 - 100 s: the slow first step outlasts what is left
     config = json.loads((root / f"kept{kept:.0f}" / "config.json").read_text())["training"]["config"]
     assert config["time_budget_s"] == 102.0 - kept
+
+
+@pytest.fixture
+def slow_steps(monkeypatch):
+    step = _Run._step
+
+    def slow(self, i, *a, **k):
+        time.sleep(STEP_S)
+        return step(self, i, *a, **k)
+
+    monkeypatch.setattr(_Run, "_step", slow)
+
+
+@pytest.mark.usefixtures("slow_steps")
+def test_a_budget_stops_at_its_estimated_step_between_logs(setup):
+    """Slow steps (0.3 s of sleep and up to 0.1 s of work) and rare logs. The late check runs at logs: at 20
+    (6-8 s) it finds time left, at 30 (past 9 s) too late. Training stops at the step the clock was estimated to
+    end at instead, from the rate over the two logs, its last interval logged."""
+    import json
+
+    root, target = setup
+    cfg = TrainConfig(steps=60, time_budget_s=SLOW_BUDGET_S, budget_from="first-step", **{**FAST, "log_every": 10})
+    r = train(cfg, target, root / "data", out=root / "slow", progress=False)
+    assert r.metrics["steps"] < 30 and "estimated" in r.metrics["stopped_early"]
+    assert r.metrics["budget_seconds"] < SLOW_BUDGET_S + 2 * STEP_S
+    logged = [json.loads(x) for x in (root / "slow" / "train_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in logged if x["kind"] == "train"][-1] == r.metrics["steps"]

@@ -208,6 +208,7 @@ class Trainer:
         self.device, self.flops = dist.device, s.flops
         self.autocast = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
         self.horizon = s.total  # where the cosine ends: moved to the clock's end under a time budget
+        self.estimated = False  # whether this process has estimated that end (a resumed run's is its last run's)
         self.ckpt_every = max(1, s.total // 10) if cfg.ckpt_every is None else cfg.ckpt_every
         self.start, acc = self.load() if status == "resume" else (0, None)  # load() restores the horizon too
         self.acc = acc or self._fresh_acc()  # counts since the last log line, summed on the device
@@ -244,6 +245,12 @@ class Trainer:
             if done % cfg.log_every == 0 or done == self.s.total:
                 stopped = self._log(done, epoch, self.acc, bar)
                 self.acc = self._fresh_acc()
+            if not stopped and self.estimated and done >= self.horizon < self.s.total:
+                # Stop where the clock was estimated to end: the late check runs only at logs, which slow steps
+                # space far apart. The interval is logged first, so that its seconds are counted.
+                if done % cfg.log_every:
+                    self._log(done, epoch, self.acc, bar)
+                stopped = f"time budget of {cfg.time_budget_s:g} s estimated to end at step {done} of {self.s.total}"
             if done == self.s.total or stopped:
                 break
             self._evaluate_and_save(done)
@@ -371,7 +378,7 @@ class Trainer:
         h = torch.tensor([float(min(self.s.total, max(done, est))) if est is not None else 0.0], device=self.device)
         h = int(float(self.dist.all_sum(h)))
         if h > 0:  # 0: no rate yet (the first interval), the plan stands
-            self.horizon = h
+            self.horizon, self.estimated = h, True
 
     def _mfu(self, tokens_per_s: float | None) -> float | None:
         if not tokens_per_s or self.device.type != "cuda":
