@@ -30,16 +30,26 @@ def setup(tmp_path_factory):
     return root, target
 
 
-@pytest.fixture
-def slow_first_step(monkeypatch):
+def _slow_down(monkeypatch, seconds, first_only: bool) -> None:
+    """Each training step (or only the first) sleeps `seconds` before it runs."""
     step = _Run._step
 
     def slow(self, i, *a, **k):
-        if i == 0:
-            time.sleep(FIRST_STEP_S)
+        if i == 0 or not first_only:
+            time.sleep(seconds)
         return step(self, i, *a, **k)
 
     monkeypatch.setattr(_Run, "_step", slow)
+
+
+@pytest.fixture
+def slow_first_step(monkeypatch):
+    _slow_down(monkeypatch, FIRST_STEP_S, first_only=True)
+
+
+@pytest.fixture
+def slow_steps(monkeypatch):
+    _slow_down(monkeypatch, STEP_S, first_only=False)
 
 
 @pytest.mark.usefixtures("slow_first_step")
@@ -83,17 +93,6 @@ def test_before_loop_sees_the_draft_and_what_it_returns_comes_off_the_budget(set
     assert r.metrics["steps"] == (4 if kept == 0 else 1)  # 102 - 100 s: the slow first step outlasts what is left
     config = json.loads((root / f"kept{kept:.0f}" / "config.json").read_text())["training"]["config"]
     assert config["time_budget_s"] == 102.0 - kept
-
-
-@pytest.fixture
-def slow_steps(monkeypatch):
-    step = _Run._step
-
-    def slow(self, i, *a, **k):
-        time.sleep(STEP_S)
-        return step(self, i, *a, **k)
-
-    monkeypatch.setattr(_Run, "_step", slow)
 
 
 @pytest.mark.usefixtures("slow_steps")
