@@ -91,9 +91,32 @@ def prompts(seqs):
     return [s[:4].tolist() for s in seqs[:3]] + [torch.randint(0, 128, (n,), generator=g).tolist() for n in (1, 5, 9)]
 
 
+# What a CUDA graph capture refuses and a CPU run allows: a tensor made from host data (a copy to the device;
+# torch: "Cannot copy between CPU and CUDA tensors during CUDA graph capture"), and reads that sync the host.
+# A 0-dim host tensor passes: `mask[i] = True` makes one, and kernels take it as a scalar, with no copy.
+NOT_CAPTURABLE = {"lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "nonzero"}
+
+
+def capturable(fn):
+    """fn() run as a CUDA graph capture would see it: an op on NOT_CAPTURABLE is an error naming it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Capture(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name in NOT_CAPTURABLE and not (name.startswith("lift") and args[0].dim() == 0):
+                raise AssertionError(f"{name} inside a captured function: a CUDA graph capture refuses it")
+            return func(*args, **(kwargs or {}))
+
+    with Capture():
+        return fn()
+
+
 def fake_capture(self, fn, captured: list | None = None):
-    """A CUDA graph's contract on a CPU: captured once, a replay re-runs into the SAME output tensors."""
-    out = fn()
+    """A CUDA graph's contract on a CPU: captured once, a replay re-runs into the SAME output tensors, and
+    the capture refuses what CUDA's does (host data, host syncs)."""
+    fn()  # capture_graph's warm-up runs outside the capture
+    out = capturable(fn)
     if captured is not None:
         captured.append(type(self).__name__)
 

@@ -146,8 +146,8 @@ class DraftTree:
 
 
 def root_frontier(device: torch.device | str | None = None) -> torch.Tensor:
-    """The frontier of the first expansion: the root alone."""
-    return torch.tensor([ROOT], dtype=torch.long, device=device)
+    """The frontier of the first expansion: the root alone (filled on the device: a CUDA graph can capture it)."""
+    return torch.full((1,), ROOT, dtype=torch.long, device=device)
 
 
 def expand(tree: DraftTree, frontier: torch.Tensor, cand_tokens: torch.Tensor, cand_logprobs: torch.Tensor,
@@ -253,7 +253,7 @@ def prune(tree: DraftTree, budget: int, max_depth: int | None = None) -> DraftTr
         raise ValueError(f"prune: budget must be >= 0, got {budget}")
     n = tree.num_nodes
     table = ancestor_table(tree, max_depth)  # (n, D)
-    inf = torch.tensor(float("inf"), device=tree.device)
+    inf = torch.full((), float("inf"), device=tree.device)
     path_min = torch.where(table >= 0, tree.scores[table.clamp(min=0)], inf).amin(dim=1) if n else tree.scores
     top = stable_order(-path_min)[:budget]  # (keep,)
     kept = top[stable_order(tree.depth[top] * n + top)]  # depth order, then original order
