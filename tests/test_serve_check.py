@@ -360,10 +360,16 @@ def test_sglang_wirings_in_its_own_words(world, monkeypatch):
     assert fallback["doctor"] == {"exit": 0, "findings": ["warning:TAPS_MISSING"]}
     assert r["draft"]["doctor"]["exit"] == 0
     assert all(not j.cuda_graph for j in fake.jobs[2:]) and fake.jobs[0].cuda_graph and fake.jobs[1].cuda_graph
-    assert r["settings"]["engine_cuda_graphs"]
+    assert r["settings"]["engine_cuda_graphs"] and r["settings"]["eaglewire_compiled"]
+    # --eager: the engine without CUDA graphs, and our decoder without torch.compile's minutes of warm-up
+    seen, runner = [], bench.decoder_runner
+    monkeypatch.setattr(bench, "decoder_runner", lambda t, d, m, cfg, *a, **k: seen.append(cfg) or runner(
+        t, d, m, cfg, *a, **k))
     fake = FakeSglang(world)
-    _check_sglang(world, monkeypatch, fake, eager=True)
+    eager = _check_sglang(world, monkeypatch, fake, eager=True)
     assert [j.cuda_graph for j in fake.jobs] == [False, False]
+    assert [c.speedups.compile for c in seen[:2]] == [False, False]  # ours (the fake engine's runs follow)
+    assert not eager["settings"]["eaglewire_compiled"]
     assert "nested key misspelled" in sc.render(r)
 
 

@@ -228,13 +228,16 @@ def engine_rows(result: dict) -> list[dict]:
 
 # --- the runs -----------------------------------------------------------------------------------------
 
-def ours(target, native: Path, suite: str, max_prompts, max_new_tokens: int, chain: int, device, log) -> dict:
+def ours(target, native: Path, suite: str, max_prompts, max_new_tokens: int, chain: int, device, log,
+         compile: bool = True) -> dict:
     """eaglewire's decoder without and with the draft on the suite, batch 1, bench's settings: per prompt the
-    same counters the engine reports, and the prompts' token ids (what the engine is given too)."""
+    same counters the engine reports, and the prompts' token ids (what the engine is given too). `compile`
+    False skips torch.compile's warm-up (minutes on CUDA); the acceptance is read either way."""
     from ..bench import run as bench
 
+    ups = None if compile else bench.speedups_from(bench.pick_device(device), compile=False)
     cfg = bench.BenchConfig(suite=suite, max_prompts=max_prompts, max_new_tokens=max_new_tokens,
-                            shape=bench.shape_from(device, chain=chain), hf=False, device=device)
+                            shape=bench.shape_from(device, chain=chain), hf=False, device=device, speedups=ups)
     dev, dtype, sp, t, draft, meta, prompts, eos = bench.prepare(target, str(native), cfg)
     runs = {k: bench.decoder_runner(t, draft, meta, cfg, dev, eos, speculate=k == "spec") for k in ("base", "spec")}
     gens = bench.run_prompts({k: (f"eaglewire {k}", r[1]) for k, r in runs.items()}, prompts, cfg, dev, log)
@@ -254,7 +257,7 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
                 work=None) -> dict:
     """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0). `chain`: draft
     tokens a step (default 7; with SGLang `engine_args`, the steps they resolve to). `eager`: no CUDA graphs in
-    the engine's timed runs either (the wirings always run eager)."""
+    the engine's timed runs either (the wirings always run eager), and eaglewire's decoder uncompiled."""
     spec, asked = speculative_args(engine_name, engine_args, target)
     if asked is not None:
         if chain is not None and chain != asked.num_steps:
@@ -276,7 +279,7 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
     try:
         p = prepare_draft(draft, target, work, chain, eng)
         log(f"eaglewire serve-check: the draft {p.how}; {eng.label} will capture taps {list(p.taps)}")
-        mine = ours(target, p.native, suite, max_prompts, max_new_tokens, chain, device, log)
+        mine = ours(target, p.native, suite, max_prompts, max_new_tokens, chain, device, log, compile=not eager)
         job = dict(conversations=mine["conversations"], input_ids=mine["input_ids"], max_new_tokens=max_new_tokens,
                    chain=chain)
         log(f"eaglewire serve-check: {eng.label} without the draft")
@@ -301,6 +304,7 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         r["draft"]["doctor"] = doctor_says(p.engine_dir, eng, p, engine_args and
                                            "--speculative-algorithm EAGLE3 " + engine_args)
         r["settings"]["engine_cuda_graphs"] = not eager
+        r["settings"]["eaglewire_compiled"] = not eager
         return r
     finally:
         if own:
@@ -530,7 +534,8 @@ def register(sub) -> None:
                    help=f"folders put first on that Python's path, where SGLang's wheels were unpacked (default "
                         f"${sglang.PATH_ENV})")
     p.add_argument("--eager", action="store_true",
-                   help="the engine's timed runs without CUDA graphs too (starts faster; tokens/s then not as served)")
+                   help="the engine's timed runs without CUDA graphs too, eaglewire's decoder uncompiled (starts minutes "
+                        "faster; tokens/s then not as served)")
     cli_args.add_device(p, help="where eaglewire's decoder runs (default: cuda if available)")
     cli_args.add_gpu_memory(p, help="the share of the GPU's memory the engine takes (vLLM's gpu_memory_utilization, "
                             "default 0.5; SGLang's mem_fraction_static, default 0.5)")
