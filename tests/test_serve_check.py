@@ -302,9 +302,9 @@ def _check_sglang(world, monkeypatch, fake, **kw):
     monkeypatch.setattr(sglang, "run_job", fake)
     monkeypatch.setattr(sglang, "require", lambda where=None: "fake")
     kw.setdefault("chain", None if "engine_args" in kw else 4)
+    kw.setdefault("log", lambda m: None)
     return sc.serve_check(world / "ck", str(world / "target"), engine_name="sglang", suite=str(world / "suite.txt"),
-                          max_prompts=4, max_new_tokens=24, device="cpu", log=lambda m: None,
-                          work=tempfile.mkdtemp(dir=world), **kw)
+                          max_prompts=4, max_new_tokens=24, device="cpu", work=tempfile.mkdtemp(dir=world), **kw)
 
 
 def test_sglang_a_faithful_engine_agrees_and_shows_what_it_captured(world, monkeypatch):
@@ -342,9 +342,13 @@ def test_sglang_greedy_tokens_are_counted_not_failed(world, monkeypatch):
 
 
 def test_sglang_wirings_in_its_own_words(world, monkeypatch):
-    fake = FakeSglang(world)
-    r = _check_sglang(world, monkeypatch, fake, with_wirings=True)
+    fake, logged = FakeSglang(world), []
+    r = _check_sglang(world, monkeypatch, fake, with_wirings=True, log=logged.append)
     got = {w["label"].split(" (")[0].split(":")[0]: w for w in r["wirings"]}
+    # each acceptance is logged as it lands, so a run cut short (a lost machine) keeps what it measured
+    assert f"with the draft: acceptance length {r['sglang']['acceptance_length']:.3f}" in "\n".join(logged)
+    for w in r["wirings"]:
+        assert f"given ids {w['ids']}: acceptance length {w['acceptance_length']:.3f}" in "\n".join(logged)
     plus, minus, fallback = (got["every nested id +1"], got["every nested id -1"], got["nested key misspelled"])
     assert (plus["ids"], plus["taps"], plus["captured"]["taps"]) == ([2, 4, 5], [3, 5, 6], [3, 5, 6])
     assert (minus["ids"], minus["taps"], minus["captured"]["taps"]) == ([0, 2, 3], [1, 3, 4], [1, 3, 4])

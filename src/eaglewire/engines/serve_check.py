@@ -167,6 +167,10 @@ def counts(per_prompt: list[dict], K: int) -> dict:
             "rate_by_position": [a / drafts if drafts else 0.0 for a in pos]}
 
 
+def _fmt(x: float | None) -> str:
+    return "none" if x is None else f"{x:.3f}"
+
+
 def speed(per_prompt: list[dict]) -> float | None:
     tokens, seconds = sum(p["tokens"] for p in per_prompt), sum(p["seconds"] for p in per_prompt)
     return tokens / seconds if seconds else None
@@ -286,6 +290,9 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         plain = eng.run(str(path), gaps=True, eager=eager, **job)
         log(f"eaglewire serve-check: {eng.label} with the draft")
         spec_r = eng.run(str(path), draft=str(p.engine_dir), eager=eager, **job)
+        log(f"eaglewire serve-check: {eng.label} with the draft: acceptance length "
+            f"{_fmt(counts(eng.rows(spec_r, chain), chain)['acceptance_length'])}, eaglewire's "
+            f"{_fmt(counts(mine['spec'], chain)['acceptance_length'])}")
         alts = []
         for k, w in enumerate(eng.wirings(p.taps, p.num_layers, p.model_type) if with_wirings else []):
             # The doctor examines the edit as a hand edit of the export leaves it (its record contradicting the
@@ -298,6 +305,8 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
             r = eng.run(str(path), draft=str(d), eager=True, **job)
             rows = eng.rows(r, chain)
             alts.append({**w, "doctor": said, "captured": eng.captured(r), "per_prompt": rows, **counts(rows, chain)})
+            log(f"eaglewire serve-check: {eng.label} given ids {w['ids']}: acceptance length "
+                f"{_fmt(alts[-1]['acceptance_length'])}")  # logged as it lands: a run cut short keeps it
         r = result(eng, p, mine, plain, spec_r, alts, chain, max_new_tokens, target,
                    _asked(asked, eng.speculation(spec_r), engine_args) if asked is not None else None)
         # the flags as served: serve-check adds the algorithm
