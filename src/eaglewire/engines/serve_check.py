@@ -293,20 +293,7 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         log(f"eaglewire serve-check: {eng.label} with the draft: acceptance length "
             f"{_fmt(counts(eng.rows(spec_r, chain), chain)['acceptance_length'])}, eaglewire's "
             f"{_fmt(counts(mine['spec'], chain)['acceptance_length'])}")
-        alts = []
-        for k, w in enumerate(eng.wirings(p.taps, p.num_layers, p.model_type) if with_wirings else []):
-            # The doctor examines the edit as a hand edit of the export leaves it (its record contradicting the
-            # ids); the engine, which ignores that record, is served the same edit without it.
-            edit = w.pop("edit")
-            said = doctor_says(served_copy(p.engine_dir, edit, work / f"wiring-{k}-edited", keep_record=True), eng, p)
-            d = served_copy(p.engine_dir, edit, work / f"wiring-{k}")
-            log(f"eaglewire serve-check: {eng.label} with the draft given ids {w['ids']} ({w['label']}); the doctor: "
-                f"{', '.join(said['findings']) or 'nothing'}")
-            r = eng.run(str(path), draft=str(d), eager=True, **job)
-            rows = eng.rows(r, chain)
-            alts.append({**w, "doctor": said, "captured": eng.captured(r), "per_prompt": rows, **counts(rows, chain)})
-            log(f"eaglewire serve-check: {eng.label} given ids {w['ids']}: acceptance length "
-                f"{_fmt(alts[-1]['acceptance_length'])}")  # logged as it lands: a run cut short keeps it
+        alts = serve_wirings(eng, p, path, job, work, chain, log) if with_wirings else []
         r = result(eng, p, mine, plain, spec_r, alts, chain, max_new_tokens, target,
                    _asked(asked, eng.speculation(spec_r), engine_args) if asked is not None else None)
         # the flags as served: serve-check adds the algorithm
@@ -318,6 +305,25 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def serve_wirings(eng, p: Prepared, path: Path, job: dict, work: Path, chain: int, log) -> list[dict]:
+    """The engine served each of its wirings (other tap ids), eager; the doctor's word on each before it is served."""
+    alts = []
+    for k, w in enumerate(eng.wirings(p.taps, p.num_layers, p.model_type)):
+        # The doctor examines the edit as a hand edit of the export leaves it (its record contradicting the
+        # ids); the engine, which ignores that record, is served the same edit without it.
+        edit = w.pop("edit")
+        said = doctor_says(served_copy(p.engine_dir, edit, work / f"wiring-{k}-edited", keep_record=True), eng, p)
+        d = served_copy(p.engine_dir, edit, work / f"wiring-{k}")
+        log(f"eaglewire serve-check: {eng.label} with the draft given ids {w['ids']} ({w['label']}); the doctor: "
+            f"{', '.join(said['findings']) or 'nothing'}")
+        r = eng.run(str(path), draft=str(d), eager=True, **job)
+        rows = eng.rows(r, chain)
+        alts.append({**w, "doctor": said, "captured": eng.captured(r), "per_prompt": rows, **counts(rows, chain)})
+        log(f"eaglewire serve-check: {eng.label} given ids {w['ids']}: acceptance length "
+            f"{_fmt(alts[-1]['acceptance_length'])}")  # logged as it lands: a run cut short keeps it
+    return alts
 
 
 def doctor_says(d: Path, eng, p: Prepared, engine_args: str | None = None) -> dict:
