@@ -164,6 +164,8 @@ def test_config_refuses_bad_values_naming_the_flag():
         TrainConfig(batch_tokens=4096, batch_size=8)
     with pytest.raises(UsageError, match="--loss must be one of"):
         TrainConfig(loss="mse")
+    with pytest.raises(UsageError, match="--head must be one of"):
+        TrainConfig(head="tied")
     with pytest.raises(UsageError, match="--batch-tokens 1024 is below --max-len 2048"):
         TrainConfig(batch_tokens=1024)
     assert TrainConfig.from_dict(TrainConfig(taps=(2, 4, 5)).to_dict()) == TrainConfig(taps=(2, 4, 5))
@@ -635,3 +637,31 @@ def test_muon_trains_the_hidden_matrices_adamw_the_rest_and_its_state_resumes(ta
     step(draft, (muon, adamw))
     step(again, opts)
     assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), again.state_dict().values()))
+
+
+def test_head_starts_from_the_targets_rows_and_target_frozen_keeps_them(target, data, root):
+    """--head target / target-frozen: lm_head starts as the target's rows for the draft vocabulary (speculators
+    0.9.0, model.py `_load_verifier_weights`, copies them and freezes them); random starts elsewhere."""
+    from eaglewire.capture import locate
+
+    full = locate(target.model).lm_head.weight.detach().float()
+
+    def head_and_rows(name, **kw):
+        train(TrainConfig(steps=2, draft_vocab_size=64, **kw, **FAST), target, data, out=root / name, progress=False)
+        draft, meta = load_draft(root / name)
+        rows = full[draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))]
+        return draft.lm_head.weight.detach(), rows, meta
+
+    head, rows, meta = head_and_rows("head-frozen", head="target-frozen")
+    assert torch.equal(head, rows) and meta.training["config"]["head"] == "target-frozen"
+    assert "lm_head.weight" in weights(root / "head-frozen")  # the checkpoint carries it, as any head
+    head, rows, _ = head_and_rows("head-target", head="target")
+    near = (head - rows).abs().max()
+    assert 0 < near < 0.02  # trained two steps from the target's rows
+    head, rows, _ = head_and_rows("head-random")
+    assert (head - rows).abs().max() > 5 * near
+    with pytest.raises(UsageError, match="lm_head cannot start"):
+        wider = {"hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 4}
+        train(TrainConfig(steps=1, draft_vocab_size=64, head="target", draft_overrides=wider, **FAST), target, data,
+              out=root / "head-narrow", progress=False)
+    assert not (root / "head-narrow").exists()

@@ -238,6 +238,19 @@ class Eagle3Draft(nn.Module):
             self.embed_tokens.weight.copy_(weight)
         self.embed_tokens.weight.requires_grad_(False)
 
+    def load_target_head(self, weight: torch.Tensor) -> None:
+        """Start lm_head from the target's (vocab, H) head: the rows of the draft vocabulary (set_vocab first)."""
+        c = self.config
+        if c.hidden_size != c.target_hidden_size:
+            raise UsageError(f"the draft's hidden_size {c.hidden_size} != the target's {c.target_hidden_size}: "
+                             "the target's lm_head cannot start the draft's (use head=random)")
+        if weight.shape[1] != c.hidden_size or weight.shape[0] < c.draft_vocab_size:
+            raise UsageError(f"target lm_head has shape {tuple(weight.shape)}, the draft needs "
+                             f"(>= {c.draft_vocab_size}, {c.hidden_size})")
+        rows = self.draft_to_target(torch.arange(c.draft_vocab_size, device=self.d2t.device))
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight.to(self.lm_head.weight)[rows.to(weight.device)])
+
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         from .vocab import validate_vocab
 

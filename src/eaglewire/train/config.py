@@ -17,6 +17,10 @@ LOSSES = ("soft-ce", "kl")  # see ttt.py
 # After the warmup: a cosine or a straight line down to lr * min_lr_ratio at the horizon, or lr throughout.
 # speculators decays linearly over its planned epochs, so a short budget keeps it near its peak.
 SCHEDULES = ("cosine", "linear", "constant")
+# The draft's lm_head at the start: "random" (EAGLE-3, SpecForge), or the target's own rows for the draft
+# vocabulary, trained from there ("target") or frozen ("target-frozen": speculators 0.9.0, model.py
+# `_load_verifier_weights` copies the verifier's lm_head rows and sets requires_grad False).
+HEADS = ("random", "target", "target-frozen")
 OPTIMIZERS = ("adamw", "muon")  # muon: torch.optim.Muon on the draft's hidden matrices, AdamW on the rest
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak, the denominator of the reported MFU
 
@@ -41,6 +45,7 @@ class TrainConfig:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     loss: str = "soft-ce"
+    head: str = "random"  # HEADS
     draft_vocab_size: int | None = None  # default min(32000, target vocab)
     draft_layers: int | None = None  # default 1; None = not asked (a fine-tuned draft keeps its own)
     draft_overrides: dict | None = None  # other DraftConfig fields (norm flags, hidden_size, ...)
@@ -100,6 +105,8 @@ class TrainConfig:
             bad("betas", "must be two numbers in [0, 1)")
         if self.optimizer not in OPTIMIZERS:
             bad("optimizer", f"must be one of {list(OPTIMIZERS)}")
+        if self.head not in HEADS:
+            bad("head", f"must be one of {list(HEADS)}")
         if self.loss not in LOSSES:
             bad("loss", f"must be one of {list(LOSSES)}")
         if self.schedule not in SCHEDULES:

@@ -40,7 +40,7 @@ from ..vocab import draft_ids, select_draft_vocab
 from . import data as train_data
 from . import metrics
 from . import state as train_state
-from .config import PEAK_TFLOPS, SCHEDULES, BudgetClock, TrainConfig, flops_per_token, lr_at
+from .config import HEADS, PEAK_TFLOPS, SCHEDULES, BudgetClock, TrainConfig, flops_per_token, lr_at
 from .ttt import TTTModel, TTTSpec, target_side
 
 TAP_STATS_TOKENS = 4096  # tokens of training data the checkpoint's tap statistics are taken over
@@ -114,6 +114,7 @@ def set_up(cfg: TrainConfig, target, data, dist: Dist, progress: bool) -> Setup:
     corpus = _corpus(cfg, target, data, dist, progress)
     train_idx, eval_idx = train_data.split(corpus.keys, cfg.eval_fraction, cfg.seed)
     draft = _initial_draft(cfg, target, corpus.contract) if cfg.init_from else _new_draft(cfg, target, stack, corpus)
+    draft.lm_head.weight.requires_grad_(cfg.head != "target-frozen")
     draft = draft.to(device)
     ids = draft_ids(draft.d2t)
     inner = TTTModel(draft, TTTSpec(cfg.ttt_steps, cfg.ttt_decay, cfg.loss))
@@ -192,6 +193,10 @@ def _new_draft(cfg: TrainConfig, target, stack, corpus: train_data.Corpus) -> Ea
     if dcfg.hidden_size == dcfg.target_hidden_size:
         draft.load_target_embedding(stack.embed.weight.detach().float().cpu())
     draft.set_vocab(d2t, t2d)
+    if cfg.head != "random":  # a fine-tuned draft (--init-from) keeps its own head
+        if getattr(stack.lm_head, "bias", None) is not None:
+            raise UsageError(f"--head {cfg.head}: the target's lm_head has a bias, the draft's has none: use random")
+        draft.load_target_head(stack.lm_head.weight.detach().float().cpu())
     return draft
 
 
@@ -603,6 +608,9 @@ def _add_schedule(g) -> None:
                    help="AdamW weight decay on matrices, 0 = none (default)")
     g.add_argument("--betas", type=cli_args.ratio, nargs=2, metavar=("B1", "B2"),
                    help="AdamW betas, each in [0, 1), 0 = no moving average (default 0.9 0.95)")
+    g.add_argument("--head", choices=list(HEADS),
+                   help="the draft's lm_head at the start: random (default; EAGLE-3, SpecForge), the target's rows "
+                        "for the draft vocabulary trained from there (target), or frozen (target-frozen, speculators')")
     g.add_argument("--optimizer", choices=["adamw", "muon"],
                    help="adamw (default), or muon on the hidden matrices and AdamW on the rest (speculators')")
     g.add_argument("--clip-grad", type=cli_args.nonneg_float, help="max gradient norm, 0 = off (default 0.5)")
