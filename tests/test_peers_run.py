@@ -146,6 +146,9 @@ def test_the_table_has_every_measured_column(done):
     rows = {r["trainer"]: r for r in rep["table"]}
     s = rep["meta"]["suites"][0]
     assert all(rows[t]["suites"][s]["eaglewire_decoder"] is not None for t in rows)
+    # what ended each run: a row that ran out of passes with time left is not an equal-minutes row
+    assert rows["eaglewire"]["stopped"] in ("clock", "passes") and rows["speculators"]["stopped"] in ("clock", "passes")
+    assert "| stopped by |" in text
     assert rows["eaglewire"]["vllm_tokens_per_s"] == pytest.approx(20.0)  # 10 tokens in 0.5 s a prompt
     assert rows["eaglewire"]["vllm_tokens_per_s_without"] == pytest.approx(10.0)
     assert (w / "report.png").stat().st_size > 10_000

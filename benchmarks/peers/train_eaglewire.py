@@ -58,10 +58,13 @@ def main(argv=None) -> int:
     out = {"checkpoint": str(result.checkpoint), "steps": m["steps"], "train_s": m["budget_seconds"],
            "step_s": m["train_seconds"], "startup_s": round(wall - m["budget_seconds"], 1), "wall_s": round(wall, 1),
            "tokens": tokens, "tokens_per_s": tokens / m["budget_seconds"] if tokens else None, "heldout": m.get("heldout"),
+           # what ended it: the budget's clock, or the plan's last pass with time to spare
+           "stopped": "clock" if m.get("stopped_early") else "passes",
            "settings": {k: v for k, v in cfg.to_dict().items()
                         if k in ("lr", "min_lr_ratio", "batch_tokens", "ttt_steps", "ttt_decay", "loss",
                                  "draft_vocab_size", "max_len", "warmup_steps", "betas", "weight_decay",
-                                 "clip_grad", "epochs", "eval_fraction", "optimizer", "schedule")}}
+                                 "clip_grad", "epochs", "eval_fraction", "optimizer", "schedule", "head",
+                                 "draft_overrides")}}
     Path(a.json).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: out[k] for k in ("steps", "train_s", "tokens_per_s")}), file=sys.stderr)
     return 0
