@@ -69,15 +69,6 @@ def test_an_unknown_budget_start_is_a_usage_error():
         TrainConfig(budget_from="epoch")
 
 
-def test_train_takes_budget_from_on_its_command_line():
-    from eaglewire.cli import build_parser
-    from eaglewire.train.trainer import config_from_args
-
-    args = build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o", "--budget-from",
-                                      "first-step"])
-    assert config_from_args(args).budget_from == "first-step"
-
-
 @pytest.mark.usefixtures("slow_first_step")
 @pytest.mark.parametrize("kept", [0.0, 100.0])
 def test_before_loop_sees_the_draft_and_what_it_returns_comes_off_the_budget(setup, kept):

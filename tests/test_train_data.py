@@ -77,17 +77,3 @@ def test_online_training_pools_several_prompt_files(chat, capsys):
                      "--online", "--out", str(root / "never")]) == 2
     assert "--prompts " + str(root / "nope.jsonl") + ": no such file" in capsys.readouterr().err
     assert not (root / "never").exists()
-
-
-def test_taps_default_is_the_data_s_or_the_default_not_a_string():
-    """`train --taps default` means what leaving --taps out means (taps.parse_taps), in the config too."""
-    import argparse
-
-    from eaglewire.train.trainer import config_from_args, register
-
-    sub = argparse.ArgumentParser().add_subparsers()
-    register(sub)
-    parser = sub.choices["train"]
-    base = ["--target", "t", "--data", "d", "--out", "o"]
-    assert config_from_args(parser.parse_args(base + ["--taps", "default"])).taps is None
-    assert config_from_args(parser.parse_args(base + ["--taps", "2, 15,27"])).taps == (2, 15, 27)

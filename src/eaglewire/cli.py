@@ -20,7 +20,7 @@ COMMANDS: dict[str, str] = {
     "prepare": "eaglewire.commands",
     "taps": "eaglewire.commands",
     "datagen": "eaglewire.data.cli",
-    "train": "eaglewire.train.trainer",
+    "train": "eaglewire.train.cli",
     "generate": "eaglewire.decode.generate",
     "bench": "eaglewire.bench.cli",
     "export": "eaglewire.interop.cli",
