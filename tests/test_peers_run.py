@@ -176,3 +176,39 @@ def test_a_row_added_to_a_finished_run_is_the_only_one_trained_served_and_timed(
     assert set(rep["stages"]["speed"]["rows"]) == {"none", "eaglewire", "speculators", "specforge", new}
     assert all(new in text["rows"] for text in rep["stages"]["eval"].values() if isinstance(text, dict))
     assert f"| {new} |" in (w / "report.md").read_text()
+
+
+def test_an_engine_failing_on_one_row_keeps_the_others_and_a_rerun_serves_only_it(done):
+    """An engine that exits on one draft (seen on an H200: vLLM's memory profiling upset by a job beside it) fails
+    the stage with that row named; the rows served before and after it are kept, a rerun serves only the failed
+    one, and the report, written by a run asked for a subset, still holds every row."""
+    from eaglewire.engines import sglang, vllm
+    from eaglewire.errors import EaglewireError
+
+    w, _, before = done
+    argv = json.loads((w.parent / "argv.json").read_text())
+    for t in ("eaglewire", "speculators"):
+        (w / "stages" / f"serve-vllm-{t}.json").unlink()
+    fake = FakeEngines()
+
+    def flaky(job, log_path=None):
+        if job.draft and "speculators" in job.draft:
+            raise EaglewireError(f"vLLM exited with 1 serving {job.draft}: Error in memory profiling")
+        return fake.vllm(job, log_path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm, "run_job", flaky)
+        mp.setattr(sglang, "run_job", fake.sglang)
+        assert run.main(argv + ["--stages", "serve"]) == 1
+    assert (w / "stages" / "serve-vllm-eaglewire.json").is_file()
+    assert not (w / "stages" / "serve-vllm-speculators.json").exists()
+    fake = FakeEngines()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm, "run_job", fake.vllm)
+        mp.setattr(sglang, "run_job", fake.sglang)
+        assert run.main(argv + ["--stages", "serve", "--trainers", "speculators", "--engines", "vllm"]) == 0
+        assert [j.draft for _, j in fake.jobs] == [before["stages"]["serve"]["vllm"]["speculators"]["served"]]
+        assert run.main(argv + ["--stages", "report"]) == 0
+    rep = json.loads((w / "report.json").read_text())
+    for t in ("eaglewire", "speculators", "specforge"):
+        assert rep["stages"]["serve"]["vllm"][t]["suites"] == before["stages"]["serve"]["vllm"][t]["suites"], t

@@ -314,17 +314,21 @@ def served_dir(w: Work, engine: str, name: str, imp: dict, num_layers: int) -> t
 
 
 def stage_serve(w: Work, a, imported: dict) -> dict:
-    """Each engine's acceptance for every draft; each engine's result is kept apart (serve-ENGINE.json), so that
-    the two engines can run at once, in two processes of this script."""
-    out = {}
+    """Each engine's acceptance for every draft. Each row is its own file (serve-ENGINE-TRAINER.json), whichever
+    process served it: the two engines can run at once, in two processes of this script, and a row that failed
+    (an engine that exited) is served again alone by a rerun, the others kept."""
+    out, failed = {}, []
     for engine in a.engines:
-        have = w.done(f"serve-{engine}")
-        out[engine] = have if have is not None and all(t in have for t in a.trainers) else \
-            w.save(f"serve-{engine}", serve_engine(w, a, imported, engine))
+        out[engine], lost = serve_engine(w, a, imported, engine)
+        failed += [f"{engine} {name}: {why}" for name, why in lost.items()]
+    if failed:
+        raise EaglewireError(f"serve: {len(failed)} row(s) failed, the rest kept (rerun --stages serve to serve only "
+                             f"these): " + " | ".join(failed))
     return out
 
 
-def serve_engine(w: Work, a, imported: dict, engine: str) -> dict:
+def serve_engine(w: Work, a, imported: dict, engine: str) -> tuple[dict, dict]:
+    """(rows served or kept, {trainer: why} for rows whose engine failed)."""
     from eaglewire.data.suites import load_suite
 
     tdir = targets.resolve(a.target)
@@ -333,7 +337,7 @@ def serve_engine(w: Work, a, imported: dict, engine: str) -> dict:
     convs = [c for sp in suites for c in sp.conversations[:a.prompts]]
     groups = [min(a.prompts, len(sp.conversations)) for sp in suites]
     mod = _engine(engine)
-    rows = {}
+    rows, failed = {}, {}
     for name in a.trainers:
         # each draft's row is kept as it is served: a rerun (or a row added later) serves only what is missing
         kept = w.done(f"serve-{engine}-{name}")
@@ -347,8 +351,13 @@ def serve_engine(w: Work, a, imported: dict, engine: str) -> dict:
             say(f"serve {engine} {name}: not servable: {e}")
             continue
         t0 = time.perf_counter()
-        r = mod.run_job(_acceptance_job(engine, mod, tdir, d, convs, groups, a),
-                        log_path=w / "logs" / f"serve-{engine}-{name}.log")
+        try:
+            r = mod.run_job(_acceptance_job(engine, mod, tdir, d, convs, groups, a),
+                            log_path=w / "logs" / f"serve-{engine}-{name}.log")
+        except EaglewireError as e:  # the engine itself failed (seen: vLLM's memory profiling beside another job)
+            failed[name] = str(e)
+            say(f"serve {engine} {name}: failed, the next rows go on: {e}")
+            continue
         per = _per_suite(engine, r, groups, a.chain)
         rows[name] = {"served": str(d), "how": how, "seconds": round(time.perf_counter() - t0, 1),
                       "suites": dict(zip(a.suites, per)),
@@ -357,7 +366,7 @@ def serve_engine(w: Work, a, imported: dict, engine: str) -> dict:
         say(f"serve {engine} {name}: " + ", ".join(f"{k} {v['acceptance_length']:.3f}"
                                                  for k, v in rows[name]["suites"].items()
                                                  if v["acceptance_length"]))
-    return rows
+    return rows, failed
 
 
 def _engine(engine: str):
@@ -481,6 +490,9 @@ PARTS = {"train": lambda a: [f"train-{t}" for t in a.trainers], "serve": lambda 
 
 
 def _kept(w: Work, a, stage: str) -> dict | None:
+    if stage == "serve":  # a row per file, from whichever run served it
+        rows = {e: {t: r for t in a.trainers if (r := w.done(f"serve-{e}-{t}")) is not None} for e in a.engines}
+        return {e: r for e, r in rows.items() if r} or None
     if stage not in PARTS:
         return w.done(stage)
     parts = {p.split("-", 1)[1]: w.done(p) for p in PARTS[stage](a)}
