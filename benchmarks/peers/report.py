@@ -71,10 +71,10 @@ def rows(meta: dict, r: dict) -> list[dict]:
 
 
 def markdown(meta: dict, table: list[dict], r: dict) -> str:
-    others = [name(x["trainer"]) for x in table if x["trainer"] != "eaglewire"]
-    vs = " against " + " and ".join(others) if others else ""
+    rows = [name(x["trainer"]) for x in table]
+    title = ", ".join(rows[:-1]) + " and " + rows[-1] if len(rows) > 1 else "".join(rows)
     unit = "minute" if meta["minutes"] == 1 else "minutes"
-    lines = [f"# Peers: eaglewire{vs} ({meta['date']}, {meta['device']})", "",
+    lines = [f"# Peers: {title} ({meta['date']}, {meta['device']})", "",
              f"Target {meta['target']}; each trainer alone on the GPU with a budget of {meta['minutes']:g} training {unit}, "
              "each budget from its first step, on the "
              f"same conversations and one capture; chain of {meta['chain']}, greedy, {meta['new_tokens']} new tokens, "
