@@ -146,6 +146,12 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path, monkey
     meta = json.loads((tmp_path / "full" / "draft" / "config.json").read_text())
     assert meta["training"]["data"]["mode"] == "online"
     assert 0 < meta["training"]["config"]["time_budget_s"] < 600  # what the earlier stages left
+    # speculators' settings (benchmarks/results run 36): the target's rows as the head, frozen, and two norms
+    draft, _ = load_draft(tmp_path / "full" / "draft")
+    tgt_head = recipes.targets.load_target(str(target_dir), device="cpu").model.get_output_embeddings().weight
+    rows = tgt_head.detach().float()[draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))]
+    assert torch.equal(draft.lm_head.weight.detach(), rows)
+    assert draft.config.norm_before_fc and draft.config.norm_output
     # the bench was built and warmed before training, and training left what its timed runs were measured to need
     assert b["warmed_before_training"] is True and b["warmup_s"] > 0 and b["timed_s_estimate"] > 0
     assert meta["training"]["config"]["time_budget_s"] < 600 - recipe.reserve_s - b["timed_s_estimate"] + 0.1
@@ -378,3 +384,15 @@ def test_other_errors_still_raise(monkeypatch):
     monkeypatch.setattr(recipes, "run_recipe", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["recipe", "demo", "--out", "unused"])
+
+
+def test_a_target_whose_head_has_a_bias_is_refused_before_regeneration(target_dir, tmp_path):
+    """`recipe full` copies the target's lm_head into the draft, whose head has no bias: such a target is refused
+    with the fix before any reply is written, not after minutes of regeneration."""
+    tgt = recipes.targets.load_target(str(target_dir), device="cpu")
+    old = tgt.model.lm_head
+    tgt.model.lm_head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with pytest.raises(UsageError, match=r"--set head=random"):
+        recipes.run_recipe(recipes.RECIPES["full"], tmp_path / "full", target=tgt,
+                           prompts_path=sharegpt(tmp_path / "sg.json"), device="cpu", progress=False)
+    assert not (tmp_path / "full" / "prompts.jsonl").exists()

@@ -193,10 +193,16 @@ def _new_draft(cfg: TrainConfig, target, stack, corpus: train_data.Corpus) -> Ea
         draft.load_target_embedding(stack.embed.weight.detach().float().cpu())
     draft.set_vocab(d2t, t2d)
     if cfg.head != "random":  # a fine-tuned draft (--init-from) keeps its own head
-        if getattr(stack.lm_head, "bias", None) is not None:
-            raise UsageError(f"--head {cfg.head}: the target's lm_head has a bias, the draft's has none: use random")
+        check_head(cfg, stack.lm_head)
         draft.load_target_head(stack.lm_head.weight.detach().float().cpu())
     return draft
+
+
+def check_head(cfg: TrainConfig, lm_head) -> None:
+    """A head copied from the target must be one the draft can hold: the draft's lm_head has no bias."""
+    if cfg.head != "random" and getattr(lm_head, "bias", None) is not None:
+        raise UsageError(f"--head {cfg.head}: the target's lm_head has a bias, the draft's has none: use --head random "
+                         "(in a recipe: --set head=random)")
 
 
 # ---- the loop -----------------------------------------------------------------------------------
