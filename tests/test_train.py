@@ -229,6 +229,15 @@ def test_offline_and_online_corpora_key_their_samples_alike(target, data, prompt
     online = train_data.build_online(target, prompts, CONTRACT, 256, None, Dist(0, 1, torch.device("cpu"), False))
     offline = train_data.open_offline(data, target.fingerprint, CONTRACT, 256)
     assert len(set(online.keys)) == 40 and online.keys == offline.keys
+    # the counts a subset's vocabulary and a data curve read: the same from either corpus, and from the token ids
+    # alone (index_offline) as from the trainer's own scan; over every sample, the dataset's own frequencies
+    assert train_data.index_offline(data, 256) == (offline.lengths, offline.loss_tokens, offline.keys)
+    assert online.loss_tokens == offline.loss_tokens and online.lengths == offline.lengths
+    some = [3, 7, 8, 30]
+    assert offline.token_freqs_of(some) == online.token_freqs_of(some) != offline.token_freqs
+    assert offline.token_freqs_of(range(40)) == offline.token_freqs == online.token_freqs
+    cut = train_data.index_offline(data, 20)
+    assert cut[0] == [min(n, 20) for n in offline.lengths] and cut[1] != offline.loss_tokens
 
 
 HANG = """

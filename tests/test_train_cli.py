@@ -23,3 +23,12 @@ def test_train_takes_budget_from_on_its_command_line():
     args = build_parser().parse_args(["train", "--target", "t", "--data", "d", "--out", "o", "--budget-from",
                                       "first-step"])
     assert config_from_args(args).budget_from == "first-step"
+
+
+def test_train_takes_max_train_samples_on_its_command_line():
+    from eaglewire.cli import build_parser
+    from eaglewire.train.cli import config_from_args
+
+    base = ["train", "--target", "t", "--data", "d", "--out", "o"]
+    assert config_from_args(build_parser().parse_args(base)).max_train_samples is None
+    assert config_from_args(build_parser().parse_args(base + ["--max-train-samples", "500"])).max_train_samples == 500

@@ -77,3 +77,32 @@ def test_online_training_pools_several_prompt_files(chat, capsys):
                      "--online", "--out", str(root / "never")]) == 2
     assert "--prompts " + str(root / "nope.jsonl") + ": no such file" in capsys.readouterr().err
     assert not (root / "never").exists()
+
+
+def test_max_train_samples_cuts_the_training_split_after_the_held_out_split(chat):
+    """--max-train-samples N: the first N samples of the training split, in the data's order, the draft's vocabulary
+    counted over them alone; the same samples are held out as without it. A bad value is refused naming the flag."""
+    from collections import Counter
+
+    from eaglewire.errors import UsageError
+    from eaglewire.train.config import TrainConfig
+    from eaglewire.train.trainer import set_up
+
+    fast = dict(batch_tokens=512, max_len=256, eval_fraction=0.2, draft_vocab_size=16, device="cpu")
+    whole = set_up(TrainConfig(**fast), chat.target, chat.prompts, ONE, False)
+    cut = set_up(TrainConfig(max_train_samples=5, **fast), chat.target, chat.prompts, ONE, False)
+    assert cut.eval_idx == whole.eval_idx and len(whole.eval_idx) > 0
+    assert cut.train_idx == whole.train_idx[:5] and len(whole.train_idx) > 5
+    assert cut.schedule.indices == cut.train_idx  # what the steps draw from
+    counts = Counter()  # the five samples' reply tokens, counted here from the samples themselves
+    for i in cut.train_idx:
+        x = cut.corpus.item(i)
+        counts.update(x["input_ids"][x["loss_mask"]].tolist())
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:15]
+    chosen = set(cut.draft.draft_to_target(torch.arange(16)).tolist())
+    assert set(top) <= chosen and chosen != set(whole.draft.draft_to_target(torch.arange(16)).tolist())
+    more = set_up(TrainConfig(max_train_samples=10_000, **fast), chat.target, chat.prompts, ONE, False)
+    assert more.train_idx == whole.train_idx  # more than the split holds: all of it
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(UsageError, match="--max-train-samples must be a positive integer"):
+            TrainConfig(max_train_samples=bad)

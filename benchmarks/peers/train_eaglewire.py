@@ -40,13 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--json", required=True)
     a = p.parse_args(argv)
-    over = {}
-    for item in a.set:
-        k, _, v = item.partition("=")
-        try:
-            over[k.replace("-", "_")] = json.loads(v)
-        except json.JSONDecodeError:
-            over[k.replace("-", "_")] = v
+    over = TrainConfig.overrides(a.set)
     t0 = time.perf_counter()
     cfg = settings(a.seconds, a.device, over)
     tgt = targets.load_target(a.target, device=a.device)

@@ -21,6 +21,11 @@
   eager prefill lets the forward hook read the target's capture list.
 - `attention_backend`: "triton" by default, as the GPU bundle has no FA3. `top_logprobs`: per new token, the
   k most likely (2 tells a near-tie).
+- `concurrency` (c, ...): after the warm-up, for each c the prompts in consecutive calls of c (c requests at
+  once), each call timed: the result's "concurrency" rows {c, calls, seconds, tokens, counters} (counters: the
+  calls' meta_info counts summed, sglang_worker.SUMMED_KEYS; None without a draft) and "max_running_requests",
+  the limit SGLang's scheduler logged. At batch 1 the per-prompt calls are skipped then ("prompts" is empty): the
+  c = 1 row is them.
 
 `run_job(job, log_path=None, where=None) -> dict` runs it in a Python process of its own (SGLang's own
 interpreter, `where`), never in eaglewire's: SGLang 0.5.17 pins transformers 5.12.1, eaglewire needs 5.17 or
@@ -47,6 +52,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -66,6 +72,8 @@ INSTALL = (f"python3 -m venv ~/.venvs/sglang && ~/.venvs/sglang/bin/pip install 
 WORKER = Path(__file__).with_name("sglang_worker.py")
 WORKER_NAME = "eaglewire_sglang_worker.py"  # its name in the job's folder: what SGLang's scheduler imports
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "1"}
+# The scheduler's own line once its pools are sized (managers/scheduler.py:1068-1075); the last one is the limit
+RUNNING_LINE = re.compile(r"max_running_requests=(\d+)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,10 +98,14 @@ class Job:
     attention_backend: str = "triton"
     top_logprobs: int = 0
     context_length: int | None = None
+    concurrency: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise UsageError(f"SGLang job: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "concurrency", tuple(self.concurrency))  # a list after the JSON trip
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.concurrency):
+            raise UsageError(f"SGLang job: concurrency {list(self.concurrency)}: each c must be an integer >= 1")
         if self.batch not in (0, 1):
             raise UsageError(f"SGLang job: batch is 1 (one prompt a call, timed) or 0 (all in one call), got "
                              f"{self.batch}")
@@ -185,8 +197,16 @@ def run_job(job: Job, log_path: Path | None = None, where: Where | None = None) 
             raise EaglewireError(f"SGLang exited with {r.returncode} serving {job.draft or job.target}: "
                                  f"{last[0][:300]}" + (f" (log: {log_path})" if log_path else ""))
         out = json.loads(of.read_text())
+    if job.concurrency:
+        out["max_running_requests"] = running_limit(text)
     out["log_tail"] = text.splitlines()[-20:]
     return out
+
+
+def running_limit(log: str) -> int | None:
+    """The most requests SGLang's scheduler said it runs at once (its last "max_running_requests=N"), or None."""
+    found = RUNNING_LINE.findall(log)
+    return int(found[-1]) if found else None
 
 
 # --- readers of SGLang's outputs (pure, tested on the CPU) --------------------------------------------
@@ -287,13 +307,17 @@ class Serving:
     def require(self) -> str:
         return require(self.where)
 
-    def run(self, target: str, *, conversations: list, input_ids: list, max_new_tokens: int, chain: int,
-            draft: str | None = None, eager: bool = False, gaps: bool = False) -> dict:
+    def run(self, target: str, *, conversations: list, input_ids: list | None, max_new_tokens: int, chain: int,
+            draft: str | None = None, eager: bool = False, gaps: bool = False, concurrency: tuple = ()) -> dict:
+        """The prompts as token ids when given (serve-check's, eaglewire's own rendering), else the conversations,
+        rendered by the target's chat template in SGLang's process."""
         spec = {}
         if draft is not None:
             spec = self.spec or {"num_steps": chain, "eagle_topk": 1, "num_draft_tokens": chain + 1}
-        return run_job(Job(target=target, draft=draft, input_ids=input_ids, max_new_tokens=max_new_tokens,
-                           cuda_graph=not eager, top_logprobs=2 if gaps else 0, **spec, **self.memory),
+        prompts = {"input_ids": input_ids} if input_ids else {"conversations": conversations}
+        return run_job(Job(target=target, draft=draft, **prompts, max_new_tokens=max_new_tokens,
+                           cuda_graph=not eager, top_logprobs=2 if gaps else 0, concurrency=tuple(concurrency),
+                           **spec, **self.memory),
                        where=self.where)
 
     @staticmethod
@@ -303,6 +327,18 @@ class Serving:
     @staticmethod
     def tokens(result: dict) -> list[list[int]]:
         return [p["tokens"] for p in result["prompts"]]
+
+    @staticmethod
+    def concurrency_rows(result: dict, positions: int) -> list[dict]:
+        """Job.concurrency's rows: per c the calls, seconds, new tokens and the calls' summed meta_info read as
+        serve-check's counters (`counters`), None without a draft."""
+        return [{**r, "counters": None if r["counters"] is None else counters(r["counters"], positions)}
+                for r in result["concurrency"]]
+
+    @staticmethod
+    def running_limit(result: dict) -> int | None:
+        """The most requests SGLang ran at once, as its scheduler logged it (None: no such line)."""
+        return result.get("max_running_requests")
 
     @staticmethod
     def gaps(result: dict) -> list[list | None]:

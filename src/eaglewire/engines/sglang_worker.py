@@ -36,6 +36,13 @@ Facts this relies on (sglang 0.5.17, python/sglang/srt/...):
   `spec_correct_drafts_histogram` (:2797-2809): index k = verify steps that accepted k draft tokens
   (managers/schedule_batch.py:1091-1094, 1192-1202). `output_top_logprobs`: per new token a list of
   (logprob, token_id, text) (tokenizer_manager.py:2699-2717).
+- Job.concurrency: `generate(input_ids=[ids, ...])` is a batch whenever input_ids' first item is a list, a batch
+  of one included (managers/io_struct.py:420-428), answered with a list; the tokenizer manager sends every request
+  of the batch to the scheduler before it waits for any (tokenizer_manager.py:1770-1811), so a call of c prompts
+  runs c requests at once. The worker sets no max_running_requests: SGLang sizes it from its KV pool,
+  max(min(token capacity / context length x 512, 4096), 2048) capped at half the token capacity
+  (mem_cache/kv_cache_configurator.py:1719-1733), and its scheduler logs the result as "max_running_requests=N"
+  (managers/scheduler.py:1068-1075), which engines/sglang.py reads back.
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ RESOLVED_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_
                  "mem_fraction_static", "disable_radix_cache", "sampling_backend")
 # The modules whose `layers_to_capture` says what the target feeds the draft: the target's inner model.
 HOOK_MODULES = ["model", "language_model.model"]
+# What of a request's meta_info adds up over a call's requests: engines/sglang.py's `counters` reads the sum as it
+# reads one request's (the histogram too: each of its entries counts verify steps).
+SUMMED_KEYS = ("completion_tokens", "spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts",
+               "spec_correct_drafts_histogram")
 
 
 def engine_kwargs(job: dict, hook_file: str) -> dict:
@@ -144,9 +155,73 @@ def one(out: dict, top_logprobs: int) -> dict:
     return row
 
 
+def add_up(a: dict | None, b: dict | None) -> dict | None:
+    """Two sets of counters summed key by key: numbers added, lists added item by item (the shorter one padded with
+    0). None, and a key's None, count as nothing; other values (text) are dropped."""
+    if a is None or b is None:
+        return a if b is None else (b if a is None else None)
+    out = {}
+    for k in [*a, *(k for k in b if k not in a)]:
+        x, y = a.get(k), b.get(k)
+        if x is None or y is None:
+            v = y if x is None else x
+            if isinstance(v, list) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+                out[k] = list(v) if isinstance(v, list) else v
+        elif isinstance(x, list) and isinstance(y, list):
+            n = max(len(x), len(y))
+            out[k] = [p + q for p, q in zip(x + [0] * (n - len(x)), y + [0] * (n - len(y)))]
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y)):
+            out[k] = x + y
+    return out
+
+
+def sweep(items: list, concurrency, call) -> list[dict]:
+    """Job.concurrency's calls, whatever the engine (engines/vllm.py uses this too): for each c, `items` in
+    consecutive chunks of c (the last may be shorter), one `call(chunk)` each, which returns (seconds, new tokens,
+    counters or None). Per c: the number of calls and their seconds, tokens and counters summed (`add_up`)."""
+    rows = []
+    for c in concurrency:
+        row = {"c": c, "calls": 0, "seconds": 0.0, "tokens": 0, "counters": None}
+        for at in range(0, len(items), c):
+            seconds, tokens, counters = call(items[at:at + c])
+            row["calls"] += 1
+            row["seconds"] += seconds
+            row["tokens"] += tokens
+            row["counters"] = add_up(row["counters"], counters)
+        rows.append(row)
+    return rows
+
+
+def summed_meta(outs: list) -> dict | None:
+    """One call's speculative counters: SUMMED_KEYS of its requests' meta_info, summed. None without a draft (a
+    request that never verified carries no spec keys, tokenizer_manager.py:2435-2436)."""
+    metas = [o.get("meta_info") or {} for o in outs]
+    if not any("spec_verify_ct" in m for m in metas):
+        return None
+    total = None
+    for m in metas:
+        total = add_up(total, {k: m[k] for k in SUMMED_KEYS if k in m})
+    return total
+
+
+def concurrent(engine, prompts: list, concurrency, params: dict) -> list[dict]:
+    """Job.concurrency on a started engine: a warm-up call of the first max(c) prompts (every batch size's kernels
+    run once), then per c the prompts in consecutive calls of c (`sweep`), each timed around `generate` alone.
+    No logprobs: timed as served."""
+    def call(chunk):
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=chunk, sampling_params=params)  # a list of lists: a batch, even of one
+        seconds = time.perf_counter() - t0
+        return seconds, sum(len(o.get("output_ids") or []) for o in outs), summed_meta(outs)
+
+    engine.generate(input_ids=prompts[:max(concurrency)], sampling_params=params)
+    return sweep(prompts, concurrency, call)
+
+
 def serve(job: dict, hook_file: str) -> dict:
     """Greedy generation of every prompt: batch 1 (a warm-up, then each prompt in its own call, timed) or
-    batch 0 (all prompts in one call: acceptance only)."""
+    batch 0 (all prompts in one call: acceptance only). With `concurrency` (c, ...), its rows under "concurrency"
+    (`concurrent`); at batch 1 the per-prompt calls are skipped then ("prompts" is empty): the c = 1 row is them."""
     import sglang
 
     prompts = prompt_ids(job)
@@ -157,7 +232,7 @@ def serve(job: dict, hook_file: str) -> dict:
         rows, total = [], None
         if job["batch"] == 1:
             engine.generate(input_ids=prompts[0], sampling_params=params, **lp)  # warm-up
-            for ids in prompts:
+            for ids in [] if job.get("concurrency") else prompts:
                 t0 = time.perf_counter()
                 out = engine.generate(input_ids=ids, sampling_params=params, **lp)
                 rows.append({**one(out, job["top_logprobs"]), "seconds": time.perf_counter() - t0})
@@ -168,8 +243,11 @@ def serve(job: dict, hook_file: str) -> dict:
             rows = [{**one(o, job["top_logprobs"]), "seconds": None} for o in outs]
         for ids, row in zip(prompts, rows):
             row["prompt_tokens"] = len(ids)
-        return {"sglang_version": sglang.__version__, "resolved": resolved(engine.server_args),
-                "prompts": rows, "seconds": total, "hooks": read_hook_file(hook_file)}
+        out = {"sglang_version": sglang.__version__, "resolved": resolved(engine.server_args),
+               "prompts": rows, "seconds": total, "hooks": read_hook_file(hook_file)}
+        if job.get("concurrency"):
+            out["concurrency"] = concurrent(engine, prompts, job["concurrency"], params)
+        return out
     finally:
         engine.shutdown()
 

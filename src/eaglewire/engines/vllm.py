@@ -16,6 +16,9 @@ Facts this relies on (vLLM 0.26.0, docs/CONVENTIONS.md section 5):
   (2, N//2, N-3)) by v1/worker/gpu/spec_decode/eagle/eagle3_utils.py.
 - `LLM.chat` applies the tokenizer's chat template with the generation prompt; outputs come back in input
   order; `outputs[0].token_ids` are the new tokens.
+- `max_num_seqs` caps the requests running at once (v1/core/sched/scheduler.py:110, 673), and CUDA graphs are
+  captured up to min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512) tokens (config/vllm.py:1789-1795): a
+  call of c conversations runs as c requests at once when max_num_seqs >= c.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 
 from ..errors import EaglewireError, UsageError
 from ..files import atomic_path, write_json
+from .sglang_worker import sweep  # the chunk loop of both workers' sweeps: SGLang's worker may import nothing of ours
 
 EXTRA = "pip install 'eaglewire[vllm]'"  # vLLM 0.26.0: the last release that pins torch 2.11
 SPEC = "vllm:spec_decode_"
@@ -62,11 +66,18 @@ class Job:
     # call (acceptance only, in seconds: the counters are the call's, not a prompt's, and no time is a prompt's)
     batch: int = 1
     groups: list | None = None  # batch 0: sizes of consecutive groups of conversations, one call and counters each
+    # (c, ...): after the warm-up, for each c the conversations in consecutive calls of c (c requests at once), each
+    # call timed and counted: result["concurrency"] (`concurrent`). At batch 1 the per-prompt loop is skipped then
+    # ("prompts" is empty): the c = 1 row is that loop. At batch 0 its calls run first, as without.
+    concurrency: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.max_new_tokens < 1 or self.num_speculative_tokens < 1:
             raise UsageError(f"engine job: max_new_tokens {self.max_new_tokens} and num_speculative_tokens "
                              f"{self.num_speculative_tokens} must be >= 1")
+        object.__setattr__(self, "concurrency", tuple(self.concurrency))  # a list after the JSON trip
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.concurrency):
+            raise UsageError(f"engine job: concurrency {list(self.concurrency)}: each c must be an integer >= 1")
         if self.batch not in (0, 1):
             raise ValueError(f"engine job: batch {self.batch}: 1 (one request at a time) or 0 (all in one call)")
         if self.groups is not None and (self.batch != 0 or sum(self.groups) != len(self.conversations)):
@@ -118,6 +129,11 @@ KINDS = {"serve": Job, "regen": RegenJob, "capture": CaptureJob}
 def memory_share(gpu_memory_utilization: float | None) -> dict:
     """A job's gpu_memory_utilization as a keyword, or none: each job keeps its own default (above)."""
     return {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+
+
+def max_num_seqs(job: Job) -> int:
+    """The requests vLLM runs at once for `job`: 1 at batch 1, 256 at batch 0, and at least the largest concurrency."""
+    return max([job.batch or 256, *job.concurrency])
 
 
 def available() -> bool:
@@ -220,11 +236,11 @@ class Serving:
     def require(self) -> None:
         require()
 
-    def run(self, target: str, *, conversations: list, input_ids: list, max_new_tokens: int, chain: int,
-            draft: str | None = None, eager: bool = False, gaps: bool = False) -> dict:
+    def run(self, target: str, *, conversations: list, input_ids: list | None, max_new_tokens: int, chain: int,
+            draft: str | None = None, eager: bool = False, gaps: bool = False, concurrency: tuple = ()) -> dict:
         return run_job(Job(target=target, draft=draft, conversations=conversations, max_new_tokens=max_new_tokens,
                            num_speculative_tokens=chain, enforce_eager=eager, logprobs=2 if gaps else 0,
-                           **self.memory))
+                           concurrency=tuple(concurrency), **self.memory))
 
     @staticmethod
     def rows(result: dict, positions: int) -> list[dict]:
@@ -233,6 +249,16 @@ class Serving:
     @staticmethod
     def tokens(result: dict) -> list[list[int]]:
         return [p["tokens"] for p in result["prompts"]]
+
+    @staticmethod
+    def concurrency_rows(result: dict, positions: int) -> list[dict]:
+        """Job.concurrency's rows: per c the calls, seconds, new tokens and counters (already serve-check's)."""
+        return [dict(r) for r in result["concurrency"]]
+
+    @staticmethod
+    def running_limit(result: dict) -> int | None:
+        """The most requests the engine ran at once (max_num_seqs, as the job set it)."""
+        return result.get("max_num_seqs")
 
     @staticmethod
     def gaps(result: dict) -> list[list | None]:
@@ -282,7 +308,8 @@ def serve(job: Job) -> dict:
     """Greedy chat on each conversation in turn (batch 1), a warm-up first; per prompt the new token ids,
     the prompt's length, the wall time, the speculative counters and, if asked, the top-2 logprob gaps.
     With `job.batch == 0`, every conversation in one call (or one call per `job.groups`): the same per prompt,
-    without times or counters, and each call's counters under "groups"."""
+    without times or counters, and each call's counters under "groups". With `job.concurrency`, its rows under
+    "concurrency" (`concurrent`) and the max_num_seqs they ran under."""
     import vllm
 
     spec = None
@@ -290,7 +317,7 @@ def serve(job: Job) -> dict:
         spec = {"method": "eagle3", "model": job.draft, "num_speculative_tokens": job.num_speculative_tokens}
     llm = vllm.LLM(model=job.target, tokenizer=job.target, dtype=job.dtype, max_model_len=job.max_model_len,
                    gpu_memory_utilization=job.gpu_memory_utilization, enforce_eager=job.enforce_eager,
-                   disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=job.batch or 256, seed=0,
+                   disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=max_num_seqs(job), seed=0,
                    tensor_parallel_size=job.tensor_parallel_size, speculative_config=spec)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=job.max_new_tokens,
                                  logprobs=job.logprobs or None)
@@ -305,9 +332,10 @@ def serve(job: Job) -> dict:
                          "seconds": None, "counters": None,
                          "gaps": top2_gaps(o.outputs[0].logprobs) if job.logprobs else None} for o in outs]
             at += size
-        return {"vllm_version": vllm.__version__, "groups": groups, "prompts": prompts}
+        out = {"vllm_version": vllm.__version__, "groups": groups, "prompts": prompts}
+        return {**out, **concurrent(llm, job)} if job.concurrency else out
     prompts = []
-    for conv in job.conversations:
+    for conv in [] if job.concurrency else job.conversations:  # the sweep's c = 1 row is this loop
         before = read_counters(llm.get_metrics())
         t0 = time.perf_counter()
         out = llm.chat([conv], params, use_tqdm=False)[0]
@@ -316,7 +344,27 @@ def serve(job: Job) -> dict:
         prompts.append({"prompt_tokens": len(out.prompt_token_ids), "tokens": list(c.token_ids),
                         "seconds": seconds, "counters": minus(read_counters(llm.get_metrics()), before),
                         "gaps": top2_gaps(c.logprobs) if job.logprobs else None})
-    return {"vllm_version": vllm.__version__, "prompts": prompts}
+    out = {"vllm_version": vllm.__version__, "prompts": prompts}
+    return {**out, **concurrent(llm, job)} if job.concurrency else out
+
+
+def concurrent(llm, job: Job) -> dict:
+    """Job.concurrency on a started LLM: a warm-up call of the first max(c) conversations (every batch size's
+    kernels run once), then per c the conversations in consecutive calls of c (sglang_worker.sweep), each timed
+    around `llm.chat` alone, its counters read around it. Greedy, no logprobs: timed as served."""
+    import vllm
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=job.max_new_tokens)
+
+    def call(chunk):
+        before = read_counters(llm.get_metrics())
+        t0 = time.perf_counter()
+        outs = llm.chat(chunk, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        return seconds, sum(len(o.outputs[0].token_ids) for o in outs), minus(read_counters(llm.get_metrics()), before)
+
+    llm.chat(job.conversations[:max(job.concurrency)], params, use_tqdm=False)
+    return {"max_num_seqs": max_num_seqs(job), "concurrency": sweep(job.conversations, job.concurrency, call)}
 
 
 def regenerate(job: RegenJob) -> dict:

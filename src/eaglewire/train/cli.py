@@ -78,6 +78,9 @@ def _add_source(p) -> None:
 def _add_schedule(g) -> None:
     g.add_argument("--epochs", type=cli_args.positive_int, help="passes over the training split (default 1)")
     g.add_argument("--steps", type=cli_args.positive_int, help="optimizer steps in all (overrides --epochs)")
+    g.add_argument("--max-train-samples", type=cli_args.positive_int, metavar="N",
+                   help="train on the first N samples of the training split, the draft vocabulary counted over them; "
+                        "the held-out split is unchanged (default: all)")
     g.add_argument("--batch-tokens", type=cli_args.positive_int, help="padded tokens per micro-batch (default 8192)")
     g.add_argument("--batch-size", type=cli_args.positive_int,
                    help="samples per micro-batch (instead of --batch-tokens)")

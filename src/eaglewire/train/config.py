@@ -4,6 +4,7 @@ schedule, and the model-FLOPs estimate behind the reported MFU."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -53,6 +54,9 @@ class TrainConfig:
     taps: tuple[int, ...] | None = None  # None: the data's (offline) or the default 2,N//2,N-3 (online)
     seed: int = 0
     eval_fraction: float = 0.05
+    # The first N samples of the training split (in the data's order), the draft's vocabulary counted over them
+    # alone; the held-out split is unchanged. None: all of them.
+    max_train_samples: int | None = None
     eval_every: int | None = None  # steps; default: ten evaluations per run
     ckpt_every: int | None = None  # steps; default: ten resume states per run; 0 = none
     log_every: int = 10
@@ -83,7 +87,8 @@ class TrainConfig:
             object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
         positive = ["epochs", "grad_accum", "ttt_steps", "log_every", "regen_max_new_tokens", "regen_batch_size",
                     "max_len"]
-        optional = ["steps", "batch_tokens", "batch_size", "draft_vocab_size", "draft_layers", "eval_every"]
+        optional = ["steps", "batch_tokens", "batch_size", "draft_vocab_size", "draft_layers", "eval_every",
+                    "max_train_samples"]
         for name in positive + optional:
             v = getattr(self, name)
             if (v is not None or name in positive) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -134,6 +139,24 @@ class TrainConfig:
         if unknown:
             raise UsageError(f"training config: unknown field(s) {unknown}")
         return cls(**d)
+
+    @staticmethod
+    def overrides(items, flag: str = "--set") -> dict:
+        """FIELD=VALUE texts (`recipe --set`, the benchmarks' --set) -> {field: value}. A value is read as JSON
+        where it parses (numbers, true, lists, objects), else kept as text; FIELD may use dashes. Refuses a name
+        that is not a field, listing them."""
+        out = {}
+        for item in items or []:
+            key, eq, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if key not in TrainConfig.__dataclass_fields__ or not eq:
+                raise UsageError(f"{flag} {item!r}: expected FIELD=VALUE with a training field "
+                                 f"({', '.join(sorted(TrainConfig.__dataclass_fields__))})")
+            try:
+                out[key] = json.loads(value)
+            except json.JSONDecodeError:
+                out[key] = value
+        return out
 
     def gen(self) -> datagen.GenConfig | None:
         return datagen.GenConfig(max_new_tokens=self.regen_max_new_tokens, temperature=self.regen_temperature,

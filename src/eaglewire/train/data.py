@@ -47,6 +47,10 @@ class Corpus:
     def item(self, i: int) -> dict:
         raise NotImplementedError
 
+    def token_freqs_of(self, indices: list[int]) -> list[tuple[int, int]]:
+        """(token id, count) over the assistant tokens of these samples (after max_len), most frequent first."""
+        raise NotImplementedError
+
 
 class OfflineCorpus(Corpus):
     def __init__(self, ds: shards.ShardDataset, max_len: int):
@@ -63,16 +67,54 @@ class OfflineCorpus(Corpus):
         x = self.ds[i]
         return {k: v[:self.max_len] for k, v in x.items()}
 
+    def token_freqs_of(self, indices: list[int]) -> list[tuple[int, int]]:
+        # the token ids alone, shard by shard: item() would read every hidden state too
+        want = set(indices)
+        return _freqs(ids[mask] for i, (ids, mask) in enumerate(_tokens(self.ds.dir, self.ds.manifest, self.max_len))
+                      if i in want)
+
+
+def _tokens(data_dir: Path, manifest: dict, max_len: int):
+    """(input_ids, loss_mask) of every sample, cut at max_len, in order: read from the token ids alone."""
+    for s in manifest["shards"]:
+        with safe_open(str(Path(data_dir) / s["file"]), framework="pt") as f:
+            offsets, mask = f.get_tensor("offsets").tolist(), f.get_tensor("loss_mask").bool()
+            ids = f.get_tensor("input_ids")
+        for a, b in zip(offsets[:-1], offsets[1:]):
+            b = min(b, a + max_len)
+            yield ids[a:b], mask[a:b]
+
+
+def index_offline(data_dir: str | Path, max_len: int) -> tuple[list[int], list[int], list[bytes]]:
+    """Per-sample lengths, step-1 loss positions (assistant tokens from index 2 on) and content keys of a datagen
+    directory, as the trainer counts them, from the token ids alone: what the split and its counts need without
+    reading a hidden state (nothing is verified here; training verifies)."""
+    return _index(Path(data_dir), shards.read_manifest(data_dir), max_len)
+
+
+def _index(data_dir: Path, manifest: dict, max_len: int) -> tuple[list[int], list[int], list[bytes]]:
+    lengths, loss_tokens, keys = [], [], []
+    for ids, mask in _tokens(data_dir, manifest, max_len):
+        lengths.append(ids.numel())
+        loss_tokens.append(int(mask[2:].sum()))
+        keys.append(content_key(ids))
+    return lengths, loss_tokens, keys
+
+
+def _freqs(masked_ids) -> list[tuple[int, int]]:
+    freqs = Counter()
+    for ids in masked_ids:
+        freqs.update(ids.tolist())
+    return sorted(freqs.items(), key=lambda tc: (-tc[1], tc[0]))
+
 
 def _scan_shards(ds: shards.ShardDataset, max_len: int) -> tuple[list[int], list[int], list[bytes]]:
-    """Per-sample lengths, step-1 loss positions and content keys, and a finiteness check of every hidden
-    state, before training starts (a NaN found mid-run would cost the run)."""
-    lengths, loss_tokens, keys = [], [], []
+    """Per-sample lengths, step-1 loss positions and content keys (index_offline), and a finiteness check of every
+    hidden state, before training starts (a NaN found mid-run would cost the run)."""
     for s in ds.manifest["shards"]:
         path = ds.dir / s["file"]
         with safe_open(str(path), framework="pt") as f:
-            offsets, mask = f.get_tensor("offsets").tolist(), f.get_tensor("loss_mask").bool()
-            ids = f.get_tensor("input_ids")
+            offsets = f.get_tensor("offsets").tolist()
             for name in ("taps", "final_hidden"):
                 sl = f.get_slice(name)
                 for a in range(0, offsets[-1], SCAN_ROWS):
@@ -83,28 +125,23 @@ def _scan_shards(ds: shards.ShardDataset, max_len: int) -> tuple[list[int], list
                         raise EaglewireError(f"{path}: sample {j} holds NaN/inf in {name}: this data cannot train a "
                                              "draft; run datagen again (with --target-dtype fp32 if the target "
                                              "overflows in bf16)")
-        for a, b in zip(offsets[:-1], offsets[1:]):
-            b = min(b, a + max_len)
-            lengths.append(b - a)
-            loss_tokens.append(int(mask[a + 2:b].sum()) if b - a > 2 else 0)
-            keys.append(content_key(ids[a:b]))
-    return lengths, loss_tokens, keys
+    return _index(ds.dir, ds.manifest, max_len)
 
 
 class OnlineCorpus(Corpus):
     def __init__(self, samples: list[tuple[torch.Tensor, torch.Tensor]], contract: TapContract, provenance: dict):
         self.samples = samples
-        freqs = Counter()
-        for ids, mask in samples:
-            freqs.update(ids[mask].tolist())
         super().__init__(mode="online", contract=contract, lengths=[int(ids.numel()) for ids, _ in samples],
                          loss_tokens=[int(mask[2:].sum()) for _, mask in samples],
-                         token_freqs=sorted(freqs.items(), key=lambda tc: (-tc[1], tc[0])), data_hash=None,
+                         token_freqs=_freqs(ids[mask] for ids, mask in samples), data_hash=None,
                          keys=[content_key(ids) for ids, _ in samples], provenance=provenance)
 
     def item(self, i: int) -> dict:
         ids, mask = self.samples[i]
         return {"input_ids": ids, "loss_mask": mask}
+
+    def token_freqs_of(self, indices: list[int]) -> list[tuple[int, int]]:
+        return _freqs(self.samples[i][0][self.samples[i][1]] for i in indices)
 
 
 def open_offline(data_dir: str | Path, fingerprint: dict, contract: TapContract | None, max_len: int) -> OfflineCorpus:

@@ -112,7 +112,10 @@ def set_up(cfg: TrainConfig, target, data, dist: Dist, progress: bool) -> Setup:
         raise EaglewireError(f"--target {target.spec}: no lm_head found: the distillation target needs it")
     corpus = _corpus(cfg, target, data, dist, progress)
     train_idx, eval_idx = train_data.split(corpus.keys, cfg.eval_fraction, cfg.seed)
-    draft = _initial_draft(cfg, target, corpus.contract) if cfg.init_from else _new_draft(cfg, target, stack, corpus)
+    if cfg.max_train_samples is not None:  # cut after the split, so that the same samples stay held out
+        train_idx = train_idx[:cfg.max_train_samples]
+    draft = _initial_draft(cfg, target, corpus.contract) if cfg.init_from else _new_draft(cfg, target, stack, corpus,
+                                                                                           train_idx)
     draft.lm_head.weight.requires_grad_(cfg.head != "target-frozen")
     draft = draft.to(device)
     ids = draft_ids(draft.d2t)
@@ -177,12 +180,14 @@ def _initial_draft(cfg: TrainConfig, target, contract: TapContract) -> Eagle3Dra
     return draft.train()
 
 
-def _new_draft(cfg: TrainConfig, target, stack, corpus: train_data.Corpus) -> Eagle3Draft:
+def _new_draft(cfg: TrainConfig, target, stack, corpus: train_data.Corpus, train_idx: list[int]) -> Eagle3Draft:
     tc = target.config
     V = tc.vocab_size
     size = min(cfg.draft_vocab_size or 32000, V)
     always = targets.eos_ids(target)  # the draft must be able to end a reply
-    d2t, t2d = select_draft_vocab(dict(corpus.token_freqs), size, always=always, vocab_size=V)
+    # A draft trained on part of the data must not choose its vocabulary from the rest
+    freqs = corpus.token_freqs if cfg.max_train_samples is None else corpus.token_freqs_of(train_idx)
+    d2t, t2d = select_draft_vocab(dict(freqs), size, always=always, vocab_size=V)
     over = {"num_layers": cfg.draft_layers or 1, **(cfg.draft_overrides or {})}
     over.setdefault("max_position_embeddings", max(getattr(tc, "max_position_embeddings", 0) or 0,
                                                    cfg.max_len + cfg.ttt_steps))
