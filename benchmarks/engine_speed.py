@@ -39,7 +39,7 @@ from eaglewire import cli_args, targets
 from eaglewire.data.suites import load_suite
 from eaglewire.engines import serve_check
 from eaglewire.errors import EaglewireError, UsageError
-from eaglewire.files import write_json
+from eaglewire.files import atomic_path, write_json
 
 CONCURRENCY = (1, 4, 16)
 
@@ -94,10 +94,6 @@ def measure(target: str, draft, engine: str, *, suite: str = "mt-bench", prompts
     return r
 
 
-def tokens_per_s(row: dict) -> float | None:
-    return row["tokens"] / row["seconds"] if row["seconds"] else None
-
-
 def result(eng, runs: dict, chain: int, concurrency: tuple[int, ...]) -> dict:
     """The per-c rows of the two runs side by side, the acceptance from the with-draft counters (serve-check's
     `counts` over the engine's counters, read by its Serving class)."""
@@ -107,7 +103,7 @@ def result(eng, runs: dict, chain: int, concurrency: tuple[int, ...]) -> dict:
     rows = []
     for c in concurrency:
         w, s = plain[c], spec[c]
-        tw, ts = tokens_per_s(w), tokens_per_s(s)
+        tw, ts = serve_check.speed([w]), serve_check.speed([s])  # a row's tokens over its seconds
         acc = serve_check.counts([s["counters"]], chain) if s["counters"] else None
         # an engine that runs fewer than c at once measures that many, not c: said beside the row
         capped = min((v for v in limits.values() if v is not None and v < c), default=None)
@@ -171,7 +167,8 @@ def plot(r: dict, out) -> Path:
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")
     return out
 
 
