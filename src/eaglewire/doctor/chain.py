@@ -11,11 +11,16 @@ accepted, so the run of leading hits is exactly what verify_chain_greedy accepts
 
 Only the chains that are still alive are computed: step k runs at the positions whose steps < k all
 hit, so a probe costs about two draft passes per wiring instead of K.
+
+Step 1 also gives, at every start, the log-probability the draft puts on the target's token. Acceptance
+counts only argmax hits, so a draft that rarely hits (an early checkpoint) ties every wiring on it. The
+log-probability still moves with the wiring at every start.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -30,7 +35,8 @@ class Tally:
     token a round). `walk_accepted`: (K,) rounds whose k-th draft token was accepted. `reached` /
     `kept`: (K,) chains, over every start, that reached step k and that hit there (conditional
     acceptance). `all_starts_tokens`: sum over every start of 1 + its run (the trainer's uniform
-    estimate).
+    estimate). `loglik` / `loglik_n`: the summed step-1 log-probability of the target's token over
+    the starts whose token the draft vocabulary holds, and their count.
     """
 
     starts: int
@@ -41,17 +47,36 @@ class Tally:
     reached: torch.Tensor
     kept: torch.Tensor
     all_starts_tokens: int
+    loglik: float = 0.0
+    loglik_n: int = 0
+
+
+class Runs(NamedTuple):
+    starts: torch.Tensor  # (T,) bool
+    runs: torch.Tensor  # (T,) long, 0 where not a start
+    reached: torch.Tensor  # (K,)
+    kept: torch.Tensor  # (K,)
+    loglik: float
+    loglik_n: int
+
+
+def target_to_draft(draft) -> torch.Tensor:
+    """(vocab,) the draft id of each target token, -1 for those outside the draft vocabulary."""
+    d = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)
+    inv = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=d.device)
+    inv[draft.draft_to_target(d)] = d
+    return inv
 
 
 @torch.no_grad()
 def run_lengths(draft, taps: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, top: torch.Tensor,
-                K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                K: int) -> Runs:
     """Accepted run of a K-token greedy chain at every start: every position t whose token x_{t+1} and
     next x_{t+2} belong to the continuation (the turn's first token is the target's, from its prefill).
 
     `taps` (T, n*H) as the engine would feed them; `ids` (T,) the sequence; `mask` (T,) bool:
     continuation tokens. `top` (T,) is the target's argmax at each position (predicting the next
-    token). -> (starts (T,) bool, runs (T,) long (0 where not a start), reached (K,), kept (K,)).
+    token). -> Runs.
     """
     dev = draft.fc.weight.device
     T = ids.numel()
@@ -69,6 +94,10 @@ def run_lengths(draft, taps: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
     live = pos[starts]
     hit = draft.draft_to_target(logits[0, live].argmax(-1)) == top_p[live + 1]
     reached[0], kept[0] = live.numel(), int(hit.sum())
+    want = target_to_draft(draft)[top_p[live + 1].clamp(min=0)]
+    held = want >= 0
+    lp = torch.log_softmax(logits[0, live[held]].float(), -1).gather(-1, want[held, None])
+    ll = (float(lp.double().sum()), int(held.sum()))
     blocks = []  # the positions of each later step's keys, in cache order
     h_live = h[0, live]
     for k in range(1, K):
@@ -77,7 +106,7 @@ def run_lengths(draft, taps: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
         more = m_p[live + 2 + k]  # the token step k predicts is still a continuation token
         live, h_live = live[more], h_live[more]
         if live.numel() == 0:
-            return starts.cpu(), runs.cpu(), reached, kept
+            return Runs(starts.cpu(), runs.cpu(), reached, kept, *ll)
         blocks.append(live)
         # step-0 keys up to t, and in each later block the key of the same chain (its own new one included)
         attn = torch.cat([pos[None, :] <= live[:, None]] + [b[None, :] == live[:, None] for b in blocks], dim=1)
@@ -87,7 +116,7 @@ def run_lengths(draft, taps: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
         reached[k], kept[k] = live.numel(), int(hit.sum())
         h_live = h[0]
     runs[live[hit]] += 1
-    return starts.cpu(), runs.cpu(), reached, kept
+    return Runs(starts.cpu(), runs.cpu(), reached, kept, *ll)
 
 
 def walk(starts: torch.Tensor, runs: torch.Tensor) -> list[int]:
@@ -106,14 +135,15 @@ def walk(starts: torch.Tensor, runs: torch.Tensor) -> list[int]:
 
 
 def tally(draft, taps, ids, mask, top, K: int) -> Tally:
-    starts, runs, reached, kept = run_lengths(draft, taps, ids, mask, top, K)
+    starts, runs, reached, kept, loglik, loglik_n = run_lengths(draft, taps, ids, mask, top, K)
     rounds = walk(starts, runs)
     accepted = torch.zeros(K, dtype=torch.long)
     for n in rounds:
         accepted[:n] += 1
     n = int(starts.sum())
     return Tally(starts=n, hits1=int(kept[0]), walk_tokens=sum(rounds) + len(rounds), walk_rounds=len(rounds),
-                 walk_accepted=accepted, reached=reached, kept=kept, all_starts_tokens=n + int(runs.sum()))
+                 walk_accepted=accepted, reached=reached, kept=kept, all_starts_tokens=n + int(runs.sum()),
+                 loglik=loglik, loglik_n=loglik_n)
 
 
 def summarize(tallies: list[Tally], K: int) -> dict:
@@ -125,6 +155,7 @@ def summarize(tallies: list[Tally], K: int) -> dict:
     accepted = sum((t.walk_accepted for t in tallies), torch.zeros(K, dtype=torch.long))
     ratio = lambda a, b: a / b if b else None  # noqa: E731
     return {"acc1": ratio(sum(t.hits1 for t in tallies), starts),
+            "loglik1": ratio(sum(t.loglik for t in tallies), sum(t.loglik_n for t in tallies)),
             "cond_acc": [ratio(int(a), int(b)) for a, b in zip(kept, reached)],
             "acceptance_length": ratio(sum(t.walk_tokens for t in tallies), rounds) or 1.0,
             "accepted_per_pos": [ratio(int(a), rounds) for a in accepted],

@@ -53,15 +53,20 @@ def render(report: Report) -> str:
 def _probe_table(p: dict) -> str:
     k = p["steps"]
     head = (f"probe: {p['prompts']} prompt(s) ({p.get('prompt_source', '?')}), {p.get('positions', 0)} positions, "
-            f"{p.get('rounds', 0)} decoder rounds of a greedy chain of {k}; intervals: {100 * p['level']:.0f}% "
-            "for all wirings together, paired by prompt")
-    rows = [head, f"  {'wiring':<22}{'acc@1':<8}{'accept-len':<12}{'vs the engine':<26}what"]
+            f"{p.get('rounds', 0)} decoder rounds of a greedy chain of {k}; log-prob: the mean step-1 log-probability "
+            f"of the target's token (nats); intervals: {100 * p['level']:.0f}% for all wirings together, paired by "
+            "prompt")
+    rows = [head, f"  {'wiring':<22}{'acc@1':<8}{'accept-len':<12}{'vs the engine':<26}{'log-prob':<10}"
+                  f"{'vs the engine':<26}what"]
     for w in p["wirings"]:
         d = w.get("vs_engine")
         vs = "" if d is None else (f"{d['acceptance_length']:+.2f} [{d['acceptance_length_ci'][0]:+.2f}, "
                                    f"{d['acceptance_length_ci'][1]:+.2f}]")
+        ll = "" if w.get("loglik1") is None else f"{w['loglik1']:.3f}"
+        vl = "" if not d or "loglik1_ci" not in d else (f"{d['loglik1']:+.3f} [{d['loglik1_ci'][0]:+.3f}, "
+                                                        f"{d['loglik1_ci'][1]:+.3f}]")
         rows.append(f"  {str(w['taps']):<22}{(w['acc1'] or 0):<8.3f}{w['acceptance_length']:<12.2f}{vs:<26}"
-                    f"{w['label']}")
+                    f"{ll:<10}{vl:<26}{w['label']}")
     first = p["wirings"][0]
     rows.append(f"  accepted at draft position 1..{k} with {first['taps']}: "
                 + " ".join("-" if a is None else f"{a:.2f}" for a in first["accepted_per_pos"]))

@@ -50,12 +50,14 @@ CODES: dict[str, str] = {
     "TARGET_MISMATCH": "hidden size (the width of the taps fc reads), vocabulary, layers, tokenizer or weights "
                        "differ from the draft's target",
     "DRAFT_UNREADABLE": "the draft directory cannot be read",
-    "PROBE_WIRING": "measured: another wiring reads significantly better, paired on the same prompts (an error "
-                    "when the engine's wiring costs >= 3% of acceptance length, else a warning)",
+    "PROBE_WIRING": "measured: another wiring reads significantly better in acceptance or in step-1 "
+                    "log-probability, paired on the same prompts (an error when the engine's wiring costs >= 3% of "
+                    "acceptance length, else a warning)",
     "PROBE_LOW_ACCEPTANCE": "measured: accuracy far below the accuracy recorded at training time",
     "PROBE_TAP_STATS": "measured: the live taps' activation statistics do not match those recorded at training",
-    "PROBE_UNSURE": "measured, but no evidence: every tap -1 or +1 reads no worse than the engine's wiring (a "
-                    "draft that predicts little, or too few prompts); the taps stay unverified",
+    "PROBE_UNSURE": "measured, but no evidence: every tap -1 or +1 reads no worse than the engine's wiring in "
+                    "acceptance or in step-1 log-probability (a draft that predicts nothing, or too few prompts); the "
+                    "taps stay unverified",
     "PROBE_OK": "measured: the wiring the engine will use reads significantly better than every tap -1 and +1, "
                 "and best of those tried or tied with the best within noise (the message says which)",
 }

@@ -6,7 +6,8 @@ that and calls real differences noise; a paired comparison takes each prompt's d
 how much it varies. Here that is a bootstrap over prompts: positions within one prompt are not
 independent, so prompts, not positions, are resampled. Each resample draws the prompts with
 replacement, the SAME draw for every wiring. It recomputes each wiring's acceptance length (tokens /
-rounds of the decoder's walk, chain.walk) and step-1 accuracy.
+rounds of the decoder's walk, chain.walk), step-1 accuracy and, where measured, the step-1
+log-probability of the target's token (chain.py: it tells wirings apart where acceptance ties).
 
 Intervals are simultaneous over the alternatives compared (Bonferroni): with 15 alternatives at a
 5% family-wise level each interval is a 99.67% one, so among that many wirings chance alone names a
@@ -28,17 +29,20 @@ COSTLY = 0.03  # a wiring costing at least this share of acceptance length is an
 @dataclass(frozen=True)
 class PerPrompt:
     """One wiring's tallies per prompt, (P,) each: the decoder walk's tokens and rounds, step-1 hits
-    and starts."""
+    and starts; the summed step-1 log-probability of the target's token and its count (None where the
+    source has no logits, as an engine's counters)."""
 
     tokens: torch.Tensor
     rounds: torch.Tensor
     hits1: torch.Tensor
     starts: torch.Tensor
+    loglik: torch.Tensor | None = None
+    loglik_n: torch.Tensor | None = None
 
     @classmethod
     def of(cls, tallies) -> "PerPrompt":
         f = lambda name: torch.tensor([getattr(t, name) for t in tallies], dtype=torch.float64)  # noqa: E731
-        return cls(f("walk_tokens"), f("walk_rounds"), f("hits1"), f("starts"))
+        return cls(f("walk_tokens"), f("walk_rounds"), f("hits1"), f("starts"), f("loglik"), f("loglik_n"))
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,8 @@ class Difference:
     acc1: float
     acc1_ci: tuple[float, float]
     base_length: float  # the engine wiring's acceptance length
+    loglik: float | None = None  # mean step-1 log-probability of the target's token, alternative - engine
+    loglik_ci: tuple[float, float] | None = None
 
     @property
     def better(self) -> bool:
@@ -62,6 +68,15 @@ class Difference:
         return self.length_ci[1] < 0
 
     @property
+    def likelier(self) -> bool:
+        """The draft gives the target's tokens a significantly higher log-probability under the alternative."""
+        return self.loglik_ci is not None and self.loglik_ci[0] > 0
+
+    @property
+    def less_likely(self) -> bool:
+        return self.loglik_ci is not None and self.loglik_ci[1] < 0
+
+    @property
     def cost(self) -> float:
         """The share of this wiring's acceptance length that the engine's wiring gives up (<= 0: none)."""
         return self.length / (self.base_length + self.length) if self.base_length + self.length > 0 else 0.0
@@ -70,7 +85,9 @@ class Difference:
         r = lambda x: round(float(x), 4)  # noqa: E731
         return {"acceptance_length": r(self.length), "acceptance_length_ci": [r(v) for v in self.length_ci],
                 "acc1": r(self.acc1), "acc1_ci": [r(v) for v in self.acc1_ci], "cost": r(self.cost),
-                "better": self.better, "worse": self.worse}
+                "better": self.better, "worse": self.worse,
+                **({"loglik1": r(self.loglik), "loglik1_ci": [r(v) for v in self.loglik_ci]}
+                   if self.loglik_ci is not None else {})}
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -95,12 +112,21 @@ def compare(base: PerPrompt, others: list[PerPrompt], *, level: float = LEVEL, r
         q = torch.quantile(d, torch.tensor([tail, 1 - tail], dtype=torch.float64))
         return float(q[0]), float(q[1])
 
+    def loglik(x: PerPrompt) -> tuple[torch.Tensor, float] | None:
+        if x.loglik is None or base.loglik is None or float(x.loglik_n.sum()) == 0:
+            return None
+        return _ratio(weights @ x.loglik, weights @ x.loglik_n), _point(x.loglik, x.loglik_n)
+
     bl, ba, bl0, ba0 = stats(base)
+    bll = loglik(base)
     out = []
     for o in others:
         ol, oa, ol0, oa0 = stats(o)
+        oll = loglik(o) if bll is not None else None
         out.append(Difference(length=ol0 - bl0, length_ci=interval(ol - bl), acc1=oa0 - ba0,
-                              acc1_ci=interval(oa - ba), base_length=bl0))
+                              acc1_ci=interval(oa - ba), base_length=bl0,
+                              loglik=oll[1] - bll[1] if oll else None,
+                              loglik_ci=interval(oll[0] - bll[0]) if oll else None))
     return out
 
 

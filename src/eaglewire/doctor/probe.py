@@ -239,43 +239,72 @@ def _ci(d: paired.Difference) -> str:
     return f"{d.length:+.2f}, interval {lo:+.2f}..{hi:+.2f}"
 
 
+def _ll(d: paired.Difference) -> str:
+    lo, hi = d.loglik_ci
+    return f"{d.loglik:+.3f} nats, interval {lo:+.3f}..{hi:+.3f}"
+
+
 SHIFTS = ("every tap -1", "every tap +1")  # candidates()'s labels of the whole-list shifts
 
 
 def _verdict(eng, alts, draft, change_for, who: str, trained, pin_ids: bool, K: int, P: int):
-    """PROBE_WIRING when another wiring reads significantly better (an error from a cost of paired.COSTLY of
-    acceptance length). PROBE_UNSURE when a whole-list shift reads no worse, so the measurement cannot tell the
-    engine's wiring from the seed's fault. Else PROBE_OK, saying whether it is the best or tied within
-    noise."""
+    """PROBE_WIRING when another wiring reads significantly better: an error from a cost of paired.COSTLY of
+    acceptance length. It is a warning when the gain is smaller, or when only the step-1 log-probability of the
+    target's tokens tells the two apart (a draft that rarely hits ties on acceptance). PROBE_UNSURE when a
+    whole-list shift reads no worse by either measure, so the measurement cannot tell the engine's wiring from
+    the seed's fault. Else PROBE_OK, saying whether it is the best or tied within noise."""
     ew, er, _ = eng
     scale = (f"acceptance length {er['acceptance_length']:.2f} (a greedy chain of {K}, {P} prompts, "
              f"{er['rounds']} rounds)")
-    better = [(w, r, d) for (w, r, _), d in alts if d.better]
-    if better:
-        w, r, d = max(better, key=lambda x: x[2].length)
-        text, remedy = _change(w, draft, change_for)
-        serious = d.cost >= paired.COSTLY
-        stale = (" The recorded taps are not what this draft reads best either." if trained and
-                 tuple(w.sources) != tuple(trained) and w.plain else
-                 "" if trained else f" Nothing records which taps it was trained on: of the wirings tried it reads "
-                 f"{w.describe()} best.")
-        msg = (f"{who} will feed {ew.describe()}: {scale}; the draft reads {w.describe()} ({w.label}) better: "
-               f"{r['acceptance_length']:.2f} ({_ci(d)}, paired over the same prompts), so the engine's wiring costs "
-               f"{100 * d.cost:.1f}% of acceptance length; step-1 accuracy {_pct(er['acc1'])} against "
-               f"{_pct(r['acc1'])}.{stale}")
-        if not serious:
-            text = f"a small but measured gain (under {100 * paired.COSTLY:.0f}% of acceptance length): {text}"
-        return finding("PROBE_WIRING", "error" if serious else "warning", msg, text, remedy)
+    flagged = [(w, r, d) for (w, r, _), d in alts if d.better or (d.likelier and not d.worse)]
+    if flagged:
+        return _wiring(ew, er, flagged, draft, change_for, who, trained, scale)
     # The seed's faults are whole-list shifts: a wiring is told right only when each of them reads significantly
     # worse. A draft that predicts little, or too few prompts, ties with them, and that is no evidence either way.
-    shifts = [(w, d) for (w, _, _), d in alts if w.label in SHIFTS and not d.worse]
+    shifts = [(w, d) for (w, _, _), d in alts if w.label in SHIFTS and not d.worse and not d.less_likely]
     if shifts:
         w, d = max(shifts, key=lambda x: x[1].length)
         msg = (f"could not tell the wiring {who} will use, {ew.describe()}, from {w.describe()} ({w.label}): "
-               f"{_ci(d)}, paired over the same prompts; {scale}, step-1 accuracy {_pct(er['acc1'])}")
+               f"{_ci(d)}" + (f", step-1 log-probability {_ll(d)}" if d.loglik_ci is not None else "")
+               + f", paired over the same prompts; {scale}, step-1 accuracy {_pct(er['acc1'])}")
         return finding("PROBE_UNSURE", "warning", msg,
                        f"measure on more prompts (--probe {2 * P} --probe-tokens 256), or on a draft that has trained "
                        "longer; until then the taps are unverified")
+    msg = _ok_message(ew, er, alts, who, scale)
+    if pin_ids and change_for is not None:
+        text, remedy = change_for(ew.sources)
+        if remedy is not None:
+            return finding("PROBE_OK", "info", msg + "; the engine reaches it only through its default taps",
+                           f"write it down so that it does not depend on the engine's fallback: {text}", remedy)
+    return finding("PROBE_OK", "info", msg, "")
+
+
+def _wiring(ew, er, flagged, draft, change_for, who: str, trained, scale: str):
+    # Of the wirings that read better, the one the draft gives the target's tokens the most probability: the
+    # finer measure of what it was trained on (one tap fixed may gain acceptance too, the whole list more)
+    costly = [x for x in flagged if x[2].better and x[2].cost >= paired.COSTLY]
+    w, r, d = max(costly or flagged, key=lambda x: (x[2].loglik if x[2].loglik is not None else 0.0, x[2].length))
+    text, remedy = _change(w, draft, change_for)
+    stale = (" The recorded taps are not what this draft reads best either." if trained and
+             tuple(w.sources) != tuple(trained) and w.plain else
+             "" if trained else f" Nothing records which taps it was trained on: of the wirings tried it reads "
+             f"{w.describe()} best.")
+    if d.better:
+        how = (f"better: {r['acceptance_length']:.2f} ({_ci(d)}, paired over the same prompts), so the engine's "
+               f"wiring costs {100 * d.cost:.1f}% of acceptance length")
+    else:
+        how = (f"better, by the log-probability it gives the target's next token: {_ll(d)}, paired over the "
+               f"same prompts; acceptance length {r['acceptance_length']:.2f} ({_ci(d)}) is too close to tell "
+               "at this draft's accuracy")
+    msg = (f"{who} will feed {ew.describe()}: {scale}; the draft reads {w.describe()} ({w.label}) {how}; "
+           f"step-1 accuracy {_pct(er['acc1'])} against {_pct(r['acc1'])}.{stale}")
+    if not costly:
+        text = (f"a small but measured gain (under {100 * paired.COSTLY:.0f}% of acceptance length): {text}"
+                if d.better else f"the draft was most likely trained on {w.describe()}: {text}")
+    return finding("PROBE_WIRING", "error" if costly else "warning", msg, text, remedy)
+
+
+def _ok_message(ew, er, alts, who: str, scale: str) -> str:
     ties = sorted(((w, d) for (w, _, _), d in alts if d.length >= 0), key=lambda x: -x[1].length)
     if ties:
         lead_w, lead = ties[0]
@@ -291,12 +320,11 @@ def _verdict(eng, alts, draft, change_for, who: str, trained, pin_ids: bool, K: 
     else:
         msg = f"the wiring {who} will use {ew.describe()}: {scale} (no other wiring to compare)"
     msg += f"; step-1 accuracy {_pct(er['acc1'])}"
-    if pin_ids and change_for is not None:
-        text, remedy = change_for(ew.sources)
-        if remedy is not None:
-            return finding("PROBE_OK", "info", msg + "; the engine reaches it only through its default taps",
-                           f"write it down so that it does not depend on the engine's fallback: {text}", remedy)
-    return finding("PROBE_OK", "info", msg, "")
+    by_ll = [w for (w, _, _), d in alts if w.label in SHIFTS and not d.worse]
+    if by_ll:
+        msg += (f"; {', '.join(w.describe() for w in by_ll)} told apart only by the log-probability the draft gives "
+                "the target's next token")
+    return msg
 
 
 def _pct(x: float | None) -> str:
