@@ -151,15 +151,19 @@ def plot(meta: dict, table: list[dict], out: Path) -> Path:
     fig = Figure(figsize=(11, 3.8), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 2, 1)
-    cols = [(s, e) for s in meta["suites"] for e in ("eaglewire_decoder", "vllm", "sglang")]
+    # a reader that measured nothing (an engine not run) gets no empty slot
+    cols = [(s, e) for s in meta["suites"] for e in ("eaglewire_decoder", "vllm", "sglang")
+            if any(x["suites"][s][e] is not None for x in table)]
     width = 0.8 / max(1, len(table))
     for i, x in enumerate(table):
         vals = [x["suites"][s][e] or 0 for s, e in cols]
         ax.bar([j + i * width for j in range(len(cols))], vals, width=width, label=name(x["trainer"]))
     ax.set_xticks([j + width * (len(table) - 1) / 2 for j in range(len(cols))])
     ax.set_xticklabels([f"{s}\n{e.split('_')[0]}" for s, e in cols], fontsize=7)
-    ax.set(ylabel="acceptance length", title=f"{meta['minutes']:g} training minute{'' if meta['minutes'] == 1 else 's'} each")
-    ax.legend(fontsize=7)
+    top = max([x["suites"][s][e] or 0 for x in table for s, e in cols] or [1.0])
+    ax.set(ylabel="acceptance length", ylim=(0, 1.25 * top),  # headroom: the legend sits above the bars
+           title=f"{meta['minutes']:g} training minute{'' if meta['minutes'] == 1 else 's'} each")
+    ax.legend(fontsize=7, ncol=len(table), loc="upper left")
     bx = fig.add_subplot(1, 2, 2)
     s = meta["suites"][0]
     for x in table:
