@@ -148,7 +148,9 @@ def test_the_table_has_every_measured_column(done):
     assert all(rows[t]["suites"][s]["eaglewire_decoder"] is not None for t in rows)
     # what ended each run: a row that ran out of passes with time left is not an equal-minutes row
     assert rows["eaglewire"]["stopped"] in ("clock", "passes") and rows["speculators"]["stopped"] in ("clock", "passes")
-    assert "| stopped by |" in text
+    assert "| stopped by |" in text and "| GPU min, all in |" in text
+    for r in rows.values():  # the GPU held for a draft: its capture, its trainer's start-up and its training
+        assert r["gpu_min_all_in"] == pytest.approx(r["capture_min"] + r["startup_min"] + r["train_min"])
     assert rows["eaglewire"]["vllm_tokens_per_s"] == pytest.approx(20.0)  # 10 tokens in 0.5 s a prompt
     assert rows["eaglewire"]["vllm_tokens_per_s_without"] == pytest.approx(10.0)
     assert (w / "report.png").stat().st_size > 10_000

@@ -45,6 +45,9 @@ def rows(meta: dict, r: dict) -> list[dict]:
         row = {"trainer": name, "capture_min": cap, "train_min": train_min,
                "startup_min": tr.get("startup_s") / 60 if tr.get("startup_s") is not None else None,
                "gpu_min_with_capture": (cap or 0) + train_min if train_min is not None else None,
+               # what the GPU was held for this draft: its capture, its trainer's start-up and its training
+               "gpu_min_all_in": (cap or 0) + train_min + (tr.get("startup_s") or 0) / 60
+               if train_min is not None else None,
                "steps": tr.get("steps"), "stopped": tr.get("stopped") or {True: "clock", False: "passes"}.get(
                    tr.get("interrupted")), "tokens_per_s": tr.get("tokens_per_s") or (
                    tr["tokens"] / tr["train_s"] if tr.get("tokens") and tr.get("train_s") else None),
@@ -79,13 +82,16 @@ def markdown(meta: dict, table: list[dict], r: dict) -> str:
              "each budget from its first step, on the "
              f"same conversations and one capture; chain of {meta['chain']}, greedy, {meta['new_tokens']} new tokens, "
              f"{meta['prompts']} prompts a suite.", "",
-             "| trainer | capture min | training min | start-up min | steps | stopped by | training tokens/s | "
-             "held-out acc@1 |", "|---|---|---|---|---|---|---|---|"]
+             "| trainer | capture min | training min | start-up min | GPU min, all in | steps | stopped by | "
+             "training tokens/s | held-out acc@1 |", "|---|---|---|---|---|---|---|---|---|"]
     ended = {"clock": "the clock", "passes": "its last pass"}
     for x in table:
         lines.append(f"| {name(x['trainer'])} | {_f(x['capture_min'])} | {_f(x['train_min'])} | "
-                     f"{_f(x['startup_min'])} | {_f(x['steps'], 'd')} | {ended.get(x['stopped'], '-')} | "
+                     f"{_f(x['startup_min'])} | {_f(x['gpu_min_all_in'])} | {_f(x['steps'], 'd')} | "
+                     f"{ended.get(x['stopped'], '-')} | "
                      f"{_f(x['tokens_per_s'], ',.0f')} | {_f(x['acc1'], '.3f')} |")
+    lines += ["", "GPU min, all in: the capture, the trainer's start-up (launch to its first step) and its training. Not "
+              "counted: the harness's SpecForge calibration run, and each tool's config generation, save and export."]
     own = [x for x in table if x["own_validation"]]
     if own:
         lines += ["", "Each trainer's own held-out accuracy by draft step, on its own split (eaglewire: 2% of its "
