@@ -414,7 +414,7 @@ def main(argv=None) -> int:
         run(parse(argv))
     except EaglewireError as e:
         print(f"data_curve: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UsageError) else 1
+        return e.exit_code
     return 0
 
 

@@ -551,9 +551,9 @@ def main(argv=None) -> int:
     try:
         a = parse(argv)
         run(a)
-    except (UsageError, EaglewireError) as e:
+    except EaglewireError as e:
         print(f"peers: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UsageError) else 1
+        return e.exit_code
     return 0
 
 

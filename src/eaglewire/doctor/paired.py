@@ -113,7 +113,7 @@ def compare(base: PerPrompt, others: list[PerPrompt], *, level: float = LEVEL, r
         return float(q[0]), float(q[1])
 
     def loglik(x: PerPrompt) -> tuple[torch.Tensor, float] | None:
-        if x.loglik is None or base.loglik is None or float(x.loglik_n.sum()) == 0:
+        if x.loglik is None or float(x.loglik_n.sum()) == 0:
             return None
         return _ratio(weights @ x.loglik, weights @ x.loglik_n), _point(x.loglik, x.loglik_n)
 
