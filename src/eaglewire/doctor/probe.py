@@ -300,7 +300,7 @@ def _wiring(ew, er, flagged, draft, change_for, who: str, trained, scale: str):
            f"step-1 accuracy {_pct(er['acc1'])} against {_pct(r['acc1'])}.{stale}")
     if not costly:
         text = (f"a small but measured gain (under {100 * paired.COSTLY:.0f}% of acceptance length): {text}"
-                if d.better else f"the draft was most likely trained on {w.describe()}: {text}")
+                if d.better else f"the draft was likely trained on {w.describe()}: {text}")
     return finding("PROBE_WIRING", "error" if costly else "warning", msg, text, remedy)
 
 
