@@ -7,6 +7,7 @@ import pytest
 from safetensors.torch import save_file
 
 from eaglewire import interop
+from eaglewire.errors import UsageError
 from eaglewire.interop import sglang
 
 from interop_tiny import DEEPSEEK, save_tiny
@@ -89,6 +90,26 @@ def test_deepseek_v2_first_id_heuristic_since_0_5_13(tmp_path, version, ids, tap
     sg = _export(tmp_path, taps=(3, 31, 59), target=DEEPSEEK)
     _edit(sg, lambda c: c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": ids}))
     assert interop.read_engine_view(sg, "sglang", version).captured_taps == taps
+
+
+def test_deepseek_v2_captures_the_embedding_at_id_0_since_0_5_13(tmp_path):
+    """0.5.17 models/deepseek_v2.py:2825-2826 hands layer i the capture when i is in layers_to_capture, and
+    layers/communicator.py:505-535 appends the residual after prepare_attn, which at layer 0 is the embedding
+    (:619-620). So ids [0, ...] (first id not 1: as-is) capture tap 0; no layer captures the last one's output
+    (deepseek_v2.py:2888-2890). Llama's SGLang cannot capture the embedding (llama.py:885-897 adds 1)."""
+    sg = _export(tmp_path, taps=(3, 31, 59), target=DEEPSEEK)
+    _edit(sg, lambda c: c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [0, 31, 59]}))
+    assert interop.read_engine_view(sg, "sglang", "0.5.17").captured_taps == [0, 31, 59]
+    # a draft trained on the embedding exports as such for 0.5.13+, and is refused for older SGLang (always +1)
+    save_tiny(tmp_path / "emb", taps=(0, 31, 59), target=DEEPSEEK)
+    interop.export_draft(tmp_path / "emb", "sglang", tmp_path / "emb-sg", engine_version="0.5.17")
+    cfg = json.loads((tmp_path / "emb-sg" / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 31, 59]
+    with pytest.raises(UsageError, match="cannot capture"):
+        interop.export_draft(tmp_path / "emb", "sglang", tmp_path / "emb-old", engine_version="0.5.12")
+    with pytest.raises(UsageError, match="cannot capture"):
+        save_tiny(tmp_path / "last", taps=(3, 31, 61), target=DEEPSEEK)
+        interop.export_draft(tmp_path / "last", "sglang", tmp_path / "last-sg", engine_version="0.5.17")
 
 
 def test_fc_width_follows_ids_from_0_5_12(tmp_path):

@@ -341,6 +341,22 @@ def test_sglang_greedy_tokens_are_counted_not_failed(world, monkeypatch):
     assert "1 differ (first: prompt 2 position 5) (counted, not held" in sc.render(r)
 
 
+def test_sglang_wirings_on_a_deepseek_target_shift_the_ids_the_export_writes():
+    """SGLang 0.5.17's deepseek_v2 (first-id heuristic, models/deepseek_v2.py:3146-3149): the default taps
+    [2, N//2, N-3] export as ids [1, ...], which every version reads alike. Their +1, the seed incident's edit,
+    starts at 2 and is read as-is: the trained taps after all. Their -1 starts at 0: the embedding, which this
+    family's SGLang captures (layers/communicator.py:619-620), as does the embedding wiring."""
+    got = {w["label"].split(" (")[0]: w for w in sglang_engine.Serving.wirings((2, 6, 9), 12, "deepseek_v3")}
+    assert [(w["ids"], w["taps"]) for w in got.values()] == [([2, 6, 9], [2, 6, 9]), ([0, 4, 7], [0, 4, 7]),
+                                                              ([0, 6, 9], [0, 6, 9]), (None, [2, 6, 9])]
+    assert list(got) == ["every nested id +1", "every nested id -1", "the embedding", "nested key misspelled"]
+    cfg = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 8]}}
+    got["the embedding"]["edit"](cfg)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 6, 9]
+    # llama's SGLang adds 1 to every id: no id reaches the embedding, so no such wiring
+    assert not any("embedding" in w["label"] for w in sglang_engine.Serving.wirings((2, 15, 27), 30, "llama"))
+
+
 def test_sglang_wirings_in_its_own_words(world, monkeypatch):
     fake, logged = FakeSglang(world), []
     r = _check_sglang(world, monkeypatch, fake, with_wirings=True, log=logged.append)

@@ -131,8 +131,8 @@ class Convention:
 class FirstIdHeuristic(Convention):
     """SGLang's deepseek_v2 family since PR #25454: +1 only when the first id is 1, else as-is.
 
-    The tap list beginning at tap 1 cannot be written at all (ids [1, ...] mean taps [2, ...],
-    ids [0, ...] mean tap 0, which crashes). Every other list is written as-is.
+    The tap list beginning at tap 1 cannot be written at all: ids [1, ...] mean taps [2, ...]. Ids [0, ...]
+    mean tap 0, the embedding (_SGLANG_DEEPSEEK_WHY). Every other list is written as-is.
     """
 
     def to_ids(self, taps: Sequence[int], num_layers: int) -> list[int]:
@@ -170,6 +170,14 @@ def _one(n: int) -> int:
 _SGLANG_WHY = ("SGLang captures `hidden_states + residual` at the start of layer loop iteration id+1: "
                "the embedding (residual is None at layer 0) and the output of the last layer are never captured")
 
+# SGLang 0.5.17's deepseek_v2 captures through LayerCommunicator instead (deepseek_v2.py:2825-2826 hands layer i the
+# accumulator when i is in layers_to_capture). prepare_attn_and_capture_last_layer_outputs (layers/communicator.py:
+# 505-535) appends the residual after prepare_attn, which at layer 0 makes the embedding the residual
+# (communicator.py:619-620): layer 0 captures the embedding, tap 0. Nothing is captured after the loop
+# (deepseek_v2.py:2888-2890), so the last layer's output is never captured.
+_SGLANG_DEEPSEEK_WHY = ("SGLang's deepseek_v2 captures the residual stream as a layer starts (the embedding at layer 0), "
+                        "and never the output of the last layer")
+
 # vLLM 0.26.0, models/interfaces.py `_maybe_add_hidden_state`: at id 0 (residual still None) it keeps the embedding
 # tensor itself, not a sum; llama.py's first layer then makes that tensor its residual, and layernorm.py's
 # fused_add_rms_norm updates the residual in place, layer after layer. Served with id 0, a SmolLM2 draft accepted
@@ -203,9 +211,9 @@ CONVENTIONS: dict[str, Convention] = {c.name: c for c in [
                "sglang/srt/models/deepseek_v2.py (before PR #25454)", 1, _one, _n_minus_1, _SGLANG_WHY),
     FirstIdHeuristic("sglang-deepseek", "DeepSeek family since PR #25454: id j = tap j+1 if ids[0] == 1, "
                      "else tap j", "config.json eagle_config.eagle_aux_hidden_state_layer_ids (nested)",
-                     "sglang/srt/models/deepseek_v2.py:3134-3149 set_eagle3_layers_to_capture (0.5.17)", 0, _one,
-                     _n_minus_1,
-                     _SGLANG_WHY),
+                     "sglang/srt/models/deepseek_v2.py:3134-3149 set_eagle3_layers_to_capture, :2825-2826 and "
+                     "layers/communicator.py:505-535, 619-620 the capture (0.5.17)", 0, _zero, _n_minus_1,
+                     _SGLANG_DEEPSEEK_WHY),
     Convention("specforge", "id j = 0-based OUTPUT of layer j = tap j+1 (also ModelOpt, TRT-LLM)",
                "eagle_aux_hidden_state_layer_ids in the draft/run config",
                "SpecForge specforge/modeling/target, ModelOpt eagle config", 1, _one, _n,

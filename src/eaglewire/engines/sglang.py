@@ -358,17 +358,18 @@ class Serving:
 
     @staticmethod
     def wirings(taps: tuple[int, ...], num_layers: int, model_type: str | None) -> list[dict]:
-        """The faults of the seed incident in SGLang's words: every nested id +1 and -1, and the nested key
-        misspelled, which SGLang's bare except turns into its default taps [2, N//2, N-3] WITHOUT the +1
-        (models/llama.py:889-892). Each: label, the ids written (None: not read), the taps SGLang will capture
-        (computed by its rules, eaglewire.taps) and the config edit."""
+        """The faults of the seed incident in SGLang's words: every nested id +1 and -1 of the ids eaglewire's
+        export writes, the nested key misspelled, which SGLang's bare except turns into its default taps
+        [2, N//2, N-3] WITHOUT the +1 (models/llama.py:889-892), and, where the family's SGLang captures the
+        embedding (DeepSeek), the embedding in place of the first tap. Each: label, the ids written (None: not
+        read), the taps SGLang will capture (computed by its rules, eaglewire.taps) and the config edit."""
         from ..errors import TapError
         from ..interop.common import IDS_KEY
-        from ..interop.sglang import convention_for
-        from ..taps import CONVENTIONS, sglang_default_taps
+        from ..interop.sglang import choose_ids, convention_for
+        from ..taps import CONVENTIONS, TapContract, sglang_default_taps
 
         conv = CONVENTIONS[convention_for(model_type, VERSION)]
-        ids = conv.to_ids(taps, num_layers)
+        ids = choose_ids(TapContract(num_layers, tuple(taps)), model_type, VERSION)[0]
 
         def nested(new_ids, key=IDS_KEY):
             def edit(cfg):
@@ -386,6 +387,10 @@ class Serving:
                             "edit": nested(shifted)})
             except TapError:
                 pass  # a tap SGLang cannot capture (id -1 crashes, id N-1 is never reached)
+        if conv.lowest_tap(num_layers) == 0 and taps[0] != 0:  # the tap the incident's "fix" assumed
+            first = [0, *taps[1:]]
+            out.append({"label": f"the embedding (id 0) in place of tap {taps[0]}", "ids": conv.to_ids(first, num_layers),
+                        "taps": first, "edit": nested(conv.to_ids(first, num_layers))})
         if len(taps) == 3:  # without nested ids SGLang builds fc for 3 taps (llama_eagle3.py:148-153)
             fallback = list(sglang_default_taps(num_layers))
             out.append({"label": f"nested key misspelled ({MISSPELLED}): SGLang's default taps, no +1", "ids": None,

@@ -108,17 +108,22 @@ def choose_ids(contract: TapContract, model_type: str | None, version: str | Non
         raise UsageError(f"SGLang cannot capture these taps: {e}") from None
     if conv in ("sglang-deepseek", "sglang-deepseek-legacy"):
         other = "sglang-deepseek-legacy" if conv == "sglang-deepseek" else "sglang-deepseek"
-        legacy_ids = CONVENTIONS["sglang-deepseek-legacy"].to_ids(contract.taps, contract.num_layers)
-        if CONVENTIONS["sglang-deepseek"].from_ids(legacy_ids, contract.num_layers) == contract.taps:
+        try:
+            alt = CONVENTIONS[other].to_ids(contract.taps, contract.num_layers)
+        except TapError:  # the embedding: only the first-id heuristic's SGLang captures it
+            alt = None
+        legacy_ids = alt if conv == "sglang-deepseek" else ids
+        if legacy_ids is not None and CONVENTIONS["sglang-deepseek"].from_ids(legacy_ids, contract.num_layers) \
+                == contract.taps:
             ids, conv = legacy_ids, "sglang-deepseek-legacy"
             notes.append(f"ids {ids} start at 1, so SGLang reads them as the same taps before and after 0.5.13 "
                          "(PR #25454): this export works on every SGLang version")
         else:
-            alt = CONVENTIONS[other].to_ids(contract.taps, contract.num_layers)
             when = "0.5.13 and newer" if conv == "sglang-deepseek" else "before 0.5.13"
-            notes.append(f"DeepSeek-family target: ids {ids} are right for SGLang {when} only; "
-                         f"{'older' if conv == 'sglang-deepseek' else 'newer'} SGLang needs {alt} "
-                         "(first-id heuristic, PR #25454): export again with --engine-version")
+            older = "older" if conv == "sglang-deepseek" else "newer"
+            notes.append(f"DeepSeek-family target: ids {ids} are right for SGLang {when} only; " + (
+                f"{older} SGLang needs {alt} (first-id heuristic, PR #25454): export again with --engine-version"
+                if alt is not None else f"{older} SGLang cannot be given taps {list(contract.taps)}"))
     return ids, conv, notes
 
 
