@@ -171,6 +171,30 @@ def test_wirings_serve_the_same_weights_with_other_ids(world, monkeypatch):
     assert "error TAPS_SHIFTED" in sc.render(r)
 
 
+def test_a_wiring_the_engine_cannot_serve_is_a_row_not_the_end_of_the_check(world, monkeypatch, tmp_path):
+    """vLLM 0.26.0 fails at id 0 on a DeepSeek-family target (models/deepseek_v2.py:1468-1469 adds a residual that
+    is still None): that wiring's row says so, and the other rows and the report stand."""
+    fake = FakeVllm(world)
+
+    def engine_run(job, log_path=None):
+        ids = job.draft and json.loads((Path(job.draft) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+        if ids and ids[0] == 0:
+            raise sc.EaglewireError("vLLM exited with 1 serving the draft: TypeError: unsupported operand type(s) "
+                                    "for +: 'Tensor' and 'NoneType'")
+        return fake(job, log_path)
+
+    r = _check(world, monkeypatch, engine_run, with_wirings=True)
+    got = {w["label"].split(":")[0]: w for w in r["wirings"]}
+    zero = got["id 0 for tap 2"]
+    assert zero["acceptance_length"] is None and zero["vs_draft_ids"] is None and "NoneType" in zero["failed"]
+    assert got["every tap +1"]["acceptance_length"] < r["vllm"]["acceptance_length"]
+    assert got["every tap +1"]["vs_draft_ids"]["difference"] < 0
+    text = sc.render(r)
+    assert "vLLM failed to serve these ids: vLLM exited with 1" in text and r["ok"]
+    assert json.loads(json.dumps(r))["wirings"][2]["failed"] == zero["failed"]
+    sc.plot(r, tmp_path / "r.png")
+
+
 def test_an_engine_export_is_served_as_it_is(world, monkeypatch, tmp_path):
     out = tmp_path / "export"
     interop.export_draft(world / "ck", "vllm", out)

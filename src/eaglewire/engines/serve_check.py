@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import checkpoint, cli_args, interop, targets
-from ..errors import UsageError
+from ..errors import EaglewireError, UsageError
 from ..files import write_json
 from ..interop.common import PROVENANCE_KEY
 from ..interop.serve import SpecArgs
@@ -318,7 +318,13 @@ def serve_wirings(eng, p: Prepared, path: Path, job: dict, work: Path, chain: in
         d = served_copy(p.engine_dir, edit, work / f"wiring-{k}")
         log(f"eaglewire serve-check: {eng.label} with the draft given ids {w['ids']} ({w['label']}); the doctor: "
             f"{', '.join(said['findings']) or 'nothing'}")
-        r = eng.run(str(path), draft=str(d), eager=True, **job)
+        try:
+            r = eng.run(str(path), draft=str(d), eager=True, **job)
+        except EaglewireError as e:  # a wiring the engine cannot serve (vLLM's id 0 on DeepSeek): that is the finding
+            alts.append({**w, "doctor": said, "captured": None, "per_prompt": None, "failed": str(e),
+                         **counts([], chain)})
+            log(f"eaglewire serve-check: {eng.label} given ids {w['ids']}: the engine failed: {e}")
+            continue
         rows = eng.rows(r, chain)
         alts.append({**w, "doctor": said, "captured": eng.captured(r), "per_prompt": rows, **counts(rows, chain)})
         log(f"eaglewire serve-check: {eng.label} given ids {w['ids']}: acceptance length "
@@ -350,7 +356,10 @@ def result(eng, p: Prepared, mine: dict, plain: dict, spec: dict, alts: list, ch
            target, asked: dict | None = None) -> dict:
     e_plain, e_spec = eng.rows(plain, chain), eng.rows(spec, chain)
     agree = agreement(mine["spec"], e_spec)
-    for alt, d in zip(alts, against(e_spec, [a["per_prompt"] for a in alts])):
+    served = [a for a in alts if a["per_prompt"] is not None]
+    for alt in alts:
+        alt["vs_draft_ids"] = None
+    for alt, d in zip(served, against(e_spec, [a["per_prompt"] for a in served])):
         alt["vs_draft_ids"] = d  # paired over the same prompts (each wiring's own greedy text)
     same = greedy_identity([{"tokens": t, "gaps": g} for t, g in zip(eng.tokens(plain), eng.gaps(plain))],
                            [{"tokens": t} for t in eng.tokens(spec)], eng.greedy_must_match)
@@ -466,11 +475,13 @@ def _wirings(r: dict, E: str, seen: dict | None) -> list[str]:
                  f"{_f(v['acceptance_length']):>10}  {'':<26}{said(r['draft'].get('doctor')):<28}the draft's ids")
     for w in r["wirings"]:
         dd = w["vs_draft_ids"]
-        diff = f"{dd['difference']:+.2f} ({dd['interval'][0]:+.2f}..{dd['interval'][1]:+.2f})"
+        diff = f"{dd['difference']:+.2f} ({dd['interval'][0]:+.2f}..{dd['interval'][1]:+.2f})" if dd else "-"
         saw = w["captured"]["taps"] if w.get("captured") else "-"
         lines.append(f"  {str(w['ids'] if w['ids'] is not None else 'not read'):<16}"
                      f"{str(w['taps'] if w['taps'] is not None else '-'):<16}{str(saw):<16}"
                      f"{_f(w['acceptance_length']):>10}  {diff:<26}{said(w.get('doctor')):<28}{w['label']}")
+        if w.get("failed"):
+            lines.append(f"    {E} failed to serve these ids: {w['failed']}")
     return lines
 
 
