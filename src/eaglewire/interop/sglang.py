@@ -120,10 +120,10 @@ def choose_ids(contract: TapContract, model_type: str | None, version: str | Non
                          "(PR #25454): this export works on every SGLang version")
         else:
             when = "0.5.13 and newer" if conv == "sglang-deepseek" else "before 0.5.13"
-            older = "older" if conv == "sglang-deepseek" else "newer"
+            rest = "older" if conv == "sglang-deepseek" else "newer"
             notes.append(f"DeepSeek-family target: ids {ids} are right for SGLang {when} only; " + (
-                f"{older} SGLang needs {alt} (first-id heuristic, PR #25454): export again with --engine-version"
-                if alt is not None else f"{older} SGLang cannot be given taps {list(contract.taps)}"))
+                f"{rest} SGLang needs {alt} (first-id heuristic, PR #25454): export again with --engine-version"
+                if alt is not None else f"{rest} SGLang cannot be given taps {list(contract.taps)}"))
     return ids, conv, notes
 
 
