@@ -136,6 +136,11 @@ def test_the_doctor_ran_on_each_peers_output_and_its_plus_one_copy(done):
     right, plus = doc["specforge"]["as written"], doc["specforge"]["every id +1"]  # SGLang's ids: tap j + 1
     assert doc["specforge"]["engine"] == "sglang" and right["engine_ids"] == [1, 3, 4] and plus["engine_ids"] == [2, 4, 5]
     assert right["exit"] == 0 and all(not c.startswith("error") for c in right["codes"])
+    # each report kept whole beside the verdict: the probe's table of wirings, with both shifts in it
+    w = done[0]
+    text = (w / "logs" / plus["report"]).read_text()
+    assert plus["report"] == "doctor-specforge-every-id-plus1.txt" and "eaglewire doctor:" in text
+    assert "every tap -1" in text and "every tap +1" in text
 
 
 def test_the_table_has_every_measured_column(done):

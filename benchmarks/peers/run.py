@@ -241,6 +241,7 @@ def shifted(raw: Path, engine: str, num_layers: int, out: Path) -> Path:
 
 def stage_doctor(w: Work, a, imported: dict) -> dict:
     from eaglewire.doctor import DoctorRequest, diagnose
+    from eaglewire.doctor.cli import render
 
     tgt = targets.load_target(a.target, device=a.device)
     out = {k: v for k, v in (w.done("doctor") or {}).items() if k != "stage_s"}  # an earlier run's rows
@@ -254,7 +255,12 @@ def stage_doctor(w: Work, a, imported: dict) -> dict:
             t0 = time.perf_counter()
             r = diagnose(DoctorRequest(d, target=tgt, engine=engine, probe=a.probe, probe_tokens=128))
             verdict = next((f for f in r.findings if f.code in ("PROBE_WIRING", "PROBE_OK", "PROBE_UNSURE")), None)
+            # the whole report, the probe's table of wirings included: a verdict alone does not say which shift
+            # the probe could not tell apart
+            report_file = w / "logs" / f"doctor-{name}-{variant.replace(' ', '-').replace('+', 'plus')}.txt"
+            report_file.write_text(render(r) + "\n")
             rows[variant] = {"exit": r.exit_code, "codes": [f"{f.severity}:{f.code}" for f in r.findings],
+                             "report": report_file.name,
                              "verdict": f"{verdict.severity}:{verdict.code}" if verdict else None,
                              "engine_ids": r.context.get("engine_ids"), "seconds": round(time.perf_counter() - t0, 1)}
             say(f"doctor {name} ({variant}): {rows[variant]['verdict']}, exit {r.exit_code} "
