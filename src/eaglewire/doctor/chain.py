@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..vocab import target_to_draft_ids
+
 
 @dataclass(frozen=True)
 class Tally:
@@ -60,14 +62,6 @@ class Runs(NamedTuple):
     loglik_n: int
 
 
-def target_to_draft(draft) -> torch.Tensor:
-    """(vocab,) the draft id of each target token, -1 for those outside the draft vocabulary."""
-    d = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)
-    inv = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=d.device)
-    inv[draft.draft_to_target(d)] = d
-    return inv
-
-
 @torch.no_grad()
 def run_lengths(draft, taps: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, top: torch.Tensor,
                 K: int) -> Runs:
@@ -94,7 +88,7 @@ def run_lengths(draft, taps: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
     live = pos[starts]
     hit = draft.draft_to_target(logits[0, live].argmax(-1)) == top_p[live + 1]
     reached[0], kept[0] = live.numel(), int(hit.sum())
-    want = target_to_draft(draft)[top_p[live + 1].clamp(min=0)]
+    want = target_to_draft_ids(draft.d2t, draft.config.vocab_size)[top_p[live + 1].clamp(min=0)]
     held = want >= 0
     lp = torch.log_softmax(logits[0, live[held]].float(), -1).gather(-1, want[held, None])
     ll = (float(lp.double().sum()), int(held.sum()))

@@ -389,8 +389,9 @@ class Serving:
                 pass  # a tap SGLang cannot capture (id -1 crashes, id N-1 is never reached)
         if conv.lowest_tap(num_layers) == 0 and taps[0] != 0:  # the tap the incident's "fix" assumed
             first = [0, *taps[1:]]
-            out.append({"label": f"the embedding (id 0) in place of tap {taps[0]}", "ids": conv.to_ids(first, num_layers),
-                        "taps": first, "edit": nested(conv.to_ids(first, num_layers))})
+            first_ids = conv.to_ids(first, num_layers)
+            out.append({"label": f"the embedding (id 0) in place of tap {taps[0]}", "ids": first_ids, "taps": first,
+                        "edit": nested(first_ids)})
         if len(taps) == 3:  # without nested ids SGLang builds fc for 3 taps (llama_eagle3.py:148-153)
             fallback = list(sglang_default_taps(num_layers))
             out.append({"label": f"nested key misspelled ({MISSPELLED}): SGLang's default taps, no +1", "ids": None,
