@@ -54,6 +54,20 @@ def test_usage_errors_exit_2(fixtures, capsys):
     assert "--probe" in capsys.readouterr().err
 
 
+def test_a_layer_count_of_the_wrong_type_is_a_finding_not_a_traceback(fixtures, tmp_path, capsys):
+    # SGLang's reading of the draft's layers (interop.sglang._params) used to int() it and crash the doctor
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(fixtures / "sg", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["num_hidden_layers"] = "one"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["doctor", "--draft", str(bad)]) == 1
+    assert "ERROR   CONFIG_TYPE: num_hidden_layers is 'one'" in capsys.readouterr().out
+
+
 def test_json_report_shape(fixtures, capsys):
     code = main(["doctor", "--draft", str(_broken(fixtures)), "--json"])
     rep = json.loads(capsys.readouterr().out)

@@ -386,3 +386,23 @@ def test_unreadable_foreign_directory(tmp_path):
     save_file({"x": torch.zeros(1)}, str(d / "model.safetensors"))
     r = diagnose(DoctorRequest(d))
     assert r.get("DRAFT_UNREADABLE").severity == "error" and r.exit_code == 1
+
+
+@pytest.mark.parametrize("architecture,says", [
+    ("Gemma2ForCausalLM", "no EAGLE-3 capture for Gemma2ForCausalLM"),  # no setter: attention_backend_setup.py:54
+    ("Gemma3ForCausalLM", "captures `hidden_states` alone"),  # gemma3_causal.py:641-661
+    ("Qwen3_5ForConditionalGeneration", "nothing is captured"),  # qwen3_vl.py:1542-1553 vs qwen3_5.py:1441-1445
+])
+def test_sglang_target_classes_that_cannot_feed_the_draft_are_named(tmp_path, architecture, says):
+    """SGLang 0.5.17 srt/models/: the setter it calls on every EAGLE-3 target exists for some classes only
+    (benchmarks/sglang_targets.py lists them), and some of those capture something else than the stream."""
+    target = {**LLAMA, "architecture": architecture}
+    ck = tmp_path / "ck"
+    save_tiny(ck, target=target)
+    out = tmp_path / "sg"
+    notes = interop.export_draft(ck, "sglang", out, engine_version="0.5.17").notes
+    assert any(says in n for n in notes)
+    f = next(f for f in diagnose(DoctorRequest(out, engine="sglang")).findings if f.code == "TAPS_UNSUPPORTED")
+    assert f.severity == "warning" and says in f.message and "0.5.17" in f.message
+    plain = export(tmp_path, "sglang")  # LlamaForCausalLM: llama.py has the setter and captures the stream
+    assert "TAPS_UNSUPPORTED" not in diagnose(DoctorRequest(plain, engine="sglang")).codes()

@@ -112,6 +112,65 @@ def test_deepseek_v2_captures_the_embedding_at_id_0_since_0_5_13(tmp_path):
         interop.export_draft(tmp_path / "last", "sglang", tmp_path / "last-sg", engine_version="0.5.17")
 
 
+def _family(model_type, num_layers=36):
+    return {**DEEPSEEK, "architecture": "X", "model_type": model_type, "num_layers": num_layers}
+
+
+def _ids(path):
+    return json.loads((path / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+
+
+def test_gpt_oss_exports_the_last_layers_output_as_id_n_minus_1(tmp_path):
+    """0.5.17 models/gpt_oss.py:1328-1343 reads ids ending at N as they are and any other list +1; :736-741
+    captures the output after layer i as boundary i + 1. The export writes +1 always: the form both read alike.
+    Releases before 0.5.17 were not read for gpt_oss, so tap N is refused for them (llama's rule)."""
+    target = _family("gpt_oss")
+    save_tiny(tmp_path / "ck", taps=(2, 18, 36), target=target)
+    interop.export_draft(tmp_path / "ck", "sglang", tmp_path / "sg", engine_version="0.5.17")
+    assert _ids(tmp_path / "sg") == [1, 17, 35]
+    assert interop.read_engine_view(tmp_path / "sg", "sglang", "0.5.17", model_type="gpt_oss",
+                                    num_layers=36).captured_taps == [2, 18, 36]
+    _edit(tmp_path / "sg", lambda c: c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [2, 18, 36]}))
+    assert interop.read_engine_view(tmp_path / "sg", "sglang", "0.5.17", model_type="gpt_oss",
+                                    num_layers=36).captured_taps == [2, 18, 36]
+    with pytest.raises(UsageError, match="cannot capture"):
+        interop.export_draft(tmp_path / "ck", "sglang", tmp_path / "old", engine_version="0.5.16")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_deepseek_v2_subclasses_read_the_first_id_heuristic(tmp_path, model_type):
+    """0.5.17 models/deepseek_v2.py:3196 (DeepseekV32ForCausalLM) and glm4_moe.py:1461 (GlmMoeDsaForCausalLM)
+    subclass DeepseekV2ForCausalLM, whose setter (:3134-3149) adds 1 only when ids[0] == 1: the seed incident's
+    ids [2, 30, 58] mean taps [2, 30, 58] there, not [3, 31, 59]."""
+    sg = _export(tmp_path, taps=(3, 31, 59), target={**DEEPSEEK, "model_type": model_type})
+    assert _ids(sg) == [3, 31, 59]
+    _edit(sg, lambda c: c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}))
+    assert interop.read_engine_view(sg, "sglang", "0.5.17", model_type=model_type,
+                                    num_layers=61).captured_taps == [2, 30, 58]
+
+
+def test_glm4_moe_lite_cannot_be_given_the_embedding(tmp_path):
+    """0.5.17 models/glm4_moe_lite.py: deepseek_v2's first-id heuristic (:1013-1028) over llama's capture
+    (:838-840, residual None at layer 0, :814): tap 0 is refused, where deepseek_v2 itself captures it."""
+    target = _family("glm4_moe_lite", 47)
+    save_tiny(tmp_path / "emb", taps=(0, 20, 40), target=target)
+    with pytest.raises(UsageError, match="taps 0 and 1 cannot be written"):
+        interop.export_draft(tmp_path / "emb", "sglang", tmp_path / "sg", engine_version="0.5.17")
+    save_tiny(tmp_path / "ck", taps=(2, 20, 40), target=target)
+    interop.export_draft(tmp_path / "ck", "sglang", tmp_path / "ok", engine_version="0.5.17")
+    assert _ids(tmp_path / "ok") == [1, 19, 39]  # read as [2, 20, 40] before and after PR #25454
+
+
+def test_moe_families_export_the_embedding_as_id_minus_1(tmp_path):
+    """0.5.17 models/qwen3_moe.py:1073-1087 (+1) over qwen2_moe.py:891-894 (layers[id] flagged) and
+    layers/communicator.py:505-535 (the residual cloned as layer 0 starts: the embedding): tap 0 is id -1."""
+    save_tiny(tmp_path / "ck", taps=(0, 24, 45), target=_family("qwen3_moe", 48))
+    interop.export_draft(tmp_path / "ck", "sglang", tmp_path / "sg", engine_version="0.5.17")
+    assert _ids(tmp_path / "sg") == [-1, 23, 44]
+    assert interop.read_engine_view(tmp_path / "sg", "sglang", "0.5.17", model_type="qwen3_moe",
+                                    num_layers=48).captured_taps == [0, 24, 45]
+
+
 def test_fc_width_follows_ids_from_0_5_12(tmp_path):
     """models/llama_eagle3.py: fc is hidden_size_in * 3 before 0.5.12; after, * num_aux_hidden_states if set, else *
     len(nested ids), else * 3 (0.5.17 :148-153, 0.5.12 :154-158)."""

@@ -92,10 +92,50 @@ def test_seed_incident_kimi_deepseek_first_id_heuristic():
 
 
 def test_sglang_convention_depends_on_family():
+    """sglang 0.5.17 srt/models/: deepseek_v2.py serves deepseek_v32 too (DeepseekV32ForCausalLM, :3196) and
+    glm4_moe.py's GlmMoeDsaForCausalLM subclasses it (:1461); glm4_moe.py's own class keeps llama's +1."""
     assert sglang_convention("llama") == "sglang"
     assert sglang_convention("qwen3") == "sglang"
+    assert sglang_convention("glm4_moe") == "sglang"
     assert sglang_convention("deepseek_v3") == "sglang-deepseek"
-    assert sglang_convention("kimi_k2", legacy=True) == "sglang-deepseek-legacy"
+    assert sglang_convention("kimi_k2", (0, 5, 12)) == "sglang-deepseek-legacy"
+    for model_type in ("deepseek_v32", "glm_moe_dsa", "kimi_k25"):
+        assert sglang_convention(model_type, (0, 5, 17)) == "sglang-deepseek"
+    assert sglang_convention("gpt_oss", (0, 5, 17)) == "sglang-gpt-oss"
+    assert sglang_convention("gpt_oss", (0, 5, 16)) == "sglang"  # not read before 0.5.17: llama's rule, tap N refused
+    assert sglang_convention("qwen3_moe") == "sglang-communicator"
+
+
+def test_sglang_gpt_oss_keeps_ids_that_reach_the_last_layer():
+    """sglang 0.5.17 models/gpt_oss.py:1328-1343: ids as they are when their largest is N, else +1; :723-741
+    captures boundary i + 1 after layer i, so tap N (boundary N) is captured."""
+    conv = CONVENTIONS["sglang-gpt-oss"]
+    assert conv.from_ids([24, 30, 36], 36) == (24, 30, 36)
+    assert conv.from_ids([1, 17, 32], 36) == (2, 18, 33)
+    assert conv.from_ids([1, 17, 35], 36) == (2, 18, 36)
+    assert conv.to_ids((2, 18, 36), 36) == [1, 17, 35]  # +1 always: read alike by both forms of the rule
+    with pytest.raises(TapError, match="boundary 0"):
+        conv.to_ids((0, 18, 33), 36)
+
+
+def test_sglang_glm4_moe_lite_reads_the_heuristic_but_cannot_capture_the_embedding():
+    """sglang 0.5.17 models/glm4_moe_lite.py:1013-1028 (deepseek_v2's first-id heuristic), :814 and :838-840
+    (llama's capture: residual is None at layer 0)."""
+    conv = CONVENTIONS["sglang-glm4-moe-lite"]
+    assert conv.from_ids([1, 20, 40], 47) == (2, 21, 41) and conv.from_ids([3, 20, 40], 47) == (3, 20, 40)
+    with pytest.raises(TapError, match="taps 0 and 1 cannot be written"):
+        conv.to_ids((0, 20, 40), 47)
+    with pytest.raises(TapError, match="taps 0 and 1 cannot be written"):
+        conv.from_ids([0, 20, 40], 47)
+
+
+def test_sglang_moe_families_capture_the_embedding_at_id_minus_1():
+    """sglang 0.5.17 models/qwen2_moe.py:891-894 flags layers[id + 1] (:1203-1218); the flagged layer captures
+    through layers/communicator.py:505-535 (a clone of the residual, the embedding at layer 0: :619-620)."""
+    conv = CONVENTIONS["sglang-communicator"]
+    assert conv.to_ids((0, 24, 45), 48) == [-1, 23, 44] and conv.from_ids([-1, 23, 44], 48) == (0, 24, 45)
+    with pytest.raises(TapError, match="never the output of the last layer"):
+        conv.to_ids((2, 24, 48), 48)
 
 
 def test_specforge_and_modelopt_count_layer_outputs():

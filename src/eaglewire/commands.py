@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from . import cli_args, targets
-from .taps import CONVENTIONS, TapContract, sglang_convention
+from .taps import CONVENTIONS, TapContract, sglang_eras
 from .errors import TapError, UsageError
 
 
@@ -22,10 +22,9 @@ def cmd_prepare(args) -> int:
 def engine_table(contract: TapContract, model_type: str) -> list[dict]:
     """Each engine's ids and config key for a contract; unsupported ones say why."""
     rows = []
-    names = ["hf", "vllm", "vllm-legacy", "speculators", sglang_convention(model_type),
-             "specforge", "eagle"]
-    if sglang_convention(model_type) == "sglang-deepseek":
-        names.insert(5, "sglang-deepseek-legacy")
+    # every SGLang rule the family has had, newest first (taps.SGLANG_FAMILIES)
+    sglang = list(dict.fromkeys(conv for _, conv in sglang_eras(model_type)))
+    names = ["hf", "vllm", "vllm-legacy", "speculators", *sglang, "specforge", "eagle"]
     for name in names:
         conv = CONVENTIONS[name]
         try:

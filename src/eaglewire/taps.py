@@ -148,6 +148,21 @@ class FirstIdHeuristic(Convention):
         return taps
 
 
+@dataclass(frozen=True)
+class MaxIdSwitch(Convention):
+    """SGLang's gpt_oss (0.5.17): ids whose largest is N are taps as they are, any other list is +1. Written
+    +1 always (tap N as id N - 1), the form that every release of the rule reads alike."""
+
+    def to_ids(self, taps: Sequence[int], num_layers: int) -> list[int]:
+        self._check(taps, num_layers)
+        return [t - 1 for t in taps]
+
+    def from_ids(self, ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+        taps = tuple(ids) if ids and max(ids) == num_layers else tuple(int(i) + 1 for i in ids)
+        self._check(taps, num_layers)
+        return taps
+
+
 def _n(n: int) -> int:
     return n
 
@@ -164,9 +179,14 @@ def _one(n: int) -> int:
     return 1
 
 
+def _two(n: int) -> int:
+    return 2
+
+
 # SGLang 0.5.17 models/llama.py:434-437 captures `hidden_states + residual` at the start of layer i for i in
 # layers_to_capture, which :885-897 sets to `[val + 1 for val in layer_ids]` (no ids: [2, N//2, N-3] as they are).
-# i = 0 (id -1) adds None; i = N (id N-1) is never reached, so the draft gets fewer taps than its fc reads.
+# i = 0 (id -1) adds None in llama.py; qwen2.py:411-415 keeps the embedding tensor itself there, which the in-place
+# add-RMSNorm (layers/layernorm.py:484-485) then overwrites on CUDA. i = N (id N-1) is never reached.
 _SGLANG_WHY = ("SGLang captures `hidden_states + residual` at the start of layer loop iteration id+1: "
                "the embedding (residual is None at layer 0) and the output of the last layer are never captured")
 
@@ -178,14 +198,33 @@ _SGLANG_WHY = ("SGLang captures `hidden_states + residual` at the start of layer
 _SGLANG_DEEPSEEK_WHY = ("SGLang's deepseek_v2 captures the residual stream as a layer starts (the embedding at layer 0), "
                         "and never the output of the last layer")
 
+# SGLang 0.5.17's glm4_moe_lite reads the ids by deepseek_v2's first-id heuristic (glm4_moe_lite.py:1013-1028) but
+# captures as llama does (:814, :838-840): residual is None at layer 0, so id 0 crashes, and ids [1, ...] mean [2, ...].
+_SGLANG_GLM_LITE_WHY = ("SGLang's glm4_moe_lite captures `hidden_states + residual` as a layer starts (residual is None "
+                        "at layer 0, a crash) and reads ids [1, ...] as taps [2, ...]: taps 0 and 1 cannot be written")
+
+# SGLang 0.5.17's gpt_oss captures boundaries (gpt_oss.py:723-741): boundary i + 1 after layer i, so the last layer's
+# output is boundary N. Its setter (:1328-1343) keeps the ids as they are when their largest is N, else adds 1.
+# Boundary 0 is the embedding tensor that layer 0 makes its residual, and the in-place add-RMSNorm overwrites it.
+_SGLANG_GPT_OSS_WHY = ("SGLang's gpt_oss hands over boundary 0 as the embedding tensor its first layer then "
+                       "updates in place")
+
+# SGLang 0.5.17's qwen2_moe, qwen3_moe, qwen3_next and minimax_m2 capture through LayerCommunicator as a layer starts
+# (qwen2_moe.py:891-894, 946-953; layers/communicator.py:505-535, a clone), with llama's +1 (qwen2_moe.py:1203-1218,
+# qwen3_moe.py:1073-1087, qwen3_next.py:1263-1277, minimax_m2.py:1254-1267): id -1 is layer 0's, the embedding. Id
+# N - 1 names no layer (qwen2_moe, qwen3_moe, qwen3_next: an IndexError at start-up).
+_SGLANG_COMMUNICATOR_WHY = ("SGLang captures the residual stream as a layer starts (id -1: the embedding) and never "
+                            "the output of the last layer")
+
 # vLLM 0.26.0, models/interfaces.py `_maybe_add_hidden_state`: at id 0 (residual still None) it keeps the embedding
-# tensor itself, not a sum; llama.py's first layer then makes that tensor its residual, and layernorm.py's
-# fused_add_rms_norm updates the residual in place, layer after layer. Served with id 0, a SmolLM2 draft accepted
-# 1.08 where the draft fed the last layer's output in that slot replays at 1.07 (`serve-check --wirings` serves it).
-# DeepSeek family (deepseek_v2.py:1430, 1468-1469): residual is None at id 0 and the sum fails instead.
-_VLLM_ID0 = ("vLLM (0.26.0) hands the draft the last layer's output at id 0, not the embedding: the embedding "
-             "tensor it keeps is the residual its fused add-RMSNorm then overwrites in place (on a DeepSeek-family "
-             "target it fails instead, adding a residual that is still None)")
+# tensor itself, not a sum; llama.py's first layer then makes that tensor its residual. Eager, fused_add_rms_norm's
+# in-place kernel (platforms/cuda.py:692-694) updates it layer after layer: served eager with id 0, a SmolLM2 draft
+# accepted 1.08 where the draft fed the last layer's output in that slot replays at 1.07 (`serve-check --wirings`).
+# Compiled, the tensor is donated to the norm (compilation/passes/ir/inplace_functionalization.py:21-31): its contents
+# are not defined afterwards. DeepSeek family (deepseek_v2.py:1430, 1468-1469): the sum with None fails instead.
+_VLLM_ID0 = ("vLLM (0.26.0) feeds the draft at id 0 not the embedding but the tensor its first layer takes as the "
+             "residual, which the add-RMSNorm updates in place (eager: the last layer's output, measured; compiled: "
+             "undefined); on a DeepSeek-family target it fails instead, adding a residual that is still None")
 
 CONVENTIONS: dict[str, Convention] = {c.name: c for c in [
     Convention("hf", "index into HF output_hidden_states (hs[N] is post-norm, so tap N has no index)",
@@ -214,6 +253,19 @@ CONVENTIONS: dict[str, Convention] = {c.name: c for c in [
                      "sglang/srt/models/deepseek_v2.py:3134-3149 set_eagle3_layers_to_capture, :2825-2826 and "
                      "layers/communicator.py:505-535, 619-620 the capture (0.5.17)", 0, _zero, _n_minus_1,
                      _SGLANG_DEEPSEEK_WHY),
+    FirstIdHeuristic("sglang-glm4-moe-lite", "glm4_moe_lite since PR #25454: id j = tap j+1 if ids[0] == 1, else "
+                     "tap j; taps from 2", "config.json eagle_config.eagle_aux_hidden_state_layer_ids (nested)",
+                     "sglang/srt/models/glm4_moe_lite.py:1013-1028 set_eagle3_layers_to_capture, :814 and "
+                     ":838-840 the capture (0.5.17)", 0, _two, _n_minus_1, _SGLANG_GLM_LITE_WHY),
+    MaxIdSwitch("sglang-gpt-oss", "gpt_oss: id j = tap j+1, or tap j for every id when the largest is N; taps 1..N",
+                "config.json eagle_config.eagle_aux_hidden_state_layer_ids (nested)",
+                "sglang/srt/models/gpt_oss.py:1328-1343 set_eagle3_layers_to_capture, :723-741 the capture "
+                "(0.5.17)", 1, _one, _n, _SGLANG_GPT_OSS_WHY),
+    Convention("sglang-communicator", "id j = tap j+1, captured by LayerCommunicator (id -1: the embedding)",
+               "config.json eagle_config.eagle_aux_hidden_state_layer_ids (nested)",
+               "sglang/srt/models/qwen2_moe.py:891-894, 1203-1218, qwen3_moe.py:1073-1087, qwen3_next.py:1263-1277, "
+               "minimax_m2.py:1254-1267; layers/communicator.py:505-535 the capture (0.5.17)", 1, _zero,
+               _n_minus_1, _SGLANG_COMMUNICATOR_WHY),
     Convention("specforge", "id j = 0-based OUTPUT of layer j = tap j+1 (also ModelOpt, TRT-LLM)",
                "eagle_aux_hidden_state_layer_ids in the draft/run config",
                "SpecForge specforge/modeling/target, ModelOpt eagle config", 1, _one, _n,
@@ -223,15 +275,30 @@ CONVENTIONS: dict[str, Convention] = {c.name: c for c in [
                0, _zero, _n_minus_1, "the reference captures layer inputs only"),
 ]}
 
-# Engines whose meaning of ids depends on the target family.
-DEEPSEEK_FAMILY_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "glm4_moe_lite"})
+# SGLang's rule for each target family (HF model_type): (first release, convention), newest first. Each was read in
+# 0.5.17's sglang/srt/models/ (the setter and the capture loop); a rule holds from 0.5.17 unless an older release
+# was read too (PR #25454, in 0.5.13). A family not listed follows llama.py's rule (llama, qwen2, qwen3, mistral,
+# phi3, llama4, glm4_moe, ...). deepseek_v32 and glm_moe_dsa run deepseek_v2.py's class (glm4_moe.py:1461).
+SGLANG_HEURISTIC_SINCE = (0, 5, 13)  # deepseek_v2's first-id heuristic, PR #25454
+_DEEPSEEK = ((SGLANG_HEURISTIC_SINCE, "sglang-deepseek"), ((0,), "sglang-deepseek-legacy"))
+_COMMUNICATOR = (((0, 5, 17), "sglang-communicator"), ((0,), "sglang"))
+SGLANG_FAMILIES: dict[str, tuple[tuple[tuple[int, ...], str], ...]] = {
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "glm_moe_dsa"), _DEEPSEEK),
+    "glm4_moe_lite": ((SGLANG_HEURISTIC_SINCE, "sglang-glm4-moe-lite"), ((0,), "sglang-deepseek-legacy")),
+    "gpt_oss": (((0, 5, 17), "sglang-gpt-oss"), ((0,), "sglang")),
+    **dict.fromkeys(("qwen2_moe", "qwen3_moe", "qwen3_next", "mellum", "minimax_m2"), _COMMUNICATOR),
+}
 
 
-def sglang_convention(model_type: str, legacy: bool = False) -> str:
-    """The SGLang convention for a target's HF model_type (legacy: before PR #25454)."""
-    if model_type in DEEPSEEK_FAMILY_MODEL_TYPES:
-        return "sglang-deepseek-legacy" if legacy else "sglang-deepseek"
-    return "sglang"
+def sglang_eras(model_type: str | None) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """A family's SGLang rules, newest first: ((first release, convention), ...)."""
+    return SGLANG_FAMILIES.get(model_type or "llama", (((0,), "sglang"),))
+
+
+def sglang_convention(model_type: str | None, version: tuple[int, ...] | None = None) -> str:
+    """The SGLang convention for a target's HF model_type in a release (None: the newest rules)."""
+    eras = sglang_eras(model_type)
+    return eras[0][1] if version is None else next(conv for since, conv in eras if version >= since)
 
 
 def sglang_default_taps(num_layers: int) -> tuple[int, ...]:

@@ -71,11 +71,11 @@ def ids_for(ctx: Context, taps) -> tuple[list[int] | None, str | None]:
         return None, str(e)
 
 
-def raw_taps(convention: str, ids: list[int]) -> tuple[int, ...]:
+def raw_taps(convention: str, ids: list[int], num_layers: int) -> tuple[int, ...]:
     """The taps a convention's rule maps ids to, before its range check (to tell out-of-range apart)."""
     conv = CONVENTIONS[convention]
     loose = dataclasses.replace(conv, lowest_tap=lambda n: -(1 << 30), highest_tap=lambda n: 1 << 30)
-    return loose.from_ids(ids, 1)
+    return loose.from_ids(ids, num_layers)
 
 
 def taps_remedy(ctx: Context, taps) -> Remedy | None:

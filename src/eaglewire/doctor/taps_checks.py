@@ -23,6 +23,11 @@ def check_taps(ctx: Context) -> list[Finding]:
         out.append(finding("TAPS_UNVERIFIED", "warning", f"no tap record from eaglewire: {what}",
                            f"measure which taps it reads (`{' '.join(probe_command(ctx))}`), or import the draft "
                            "with the --source it really came from"))
+    fault = interop.sglang.target_fault(ctx.target.architecture) if ctx.engine == "sglang" and ctx.target else None
+    if fault:
+        out.append(finding("TAPS_UNSUPPORTED", "warning", f"{fault} (read from SGLang 0.5.17's source)",
+                           "serve it with an engine release that captures this target's residual stream; "
+                           "`eaglewire serve-check --engine sglang` measures what this one does"))
     if s.contract is not None and N is not None and s.contract.num_layers != N:
         return out  # TARGET_MISMATCH says it; every tap comparison would be noise
     if v is None or not v.recognised:
@@ -52,7 +57,7 @@ def check_taps(ctx: Context) -> list[Finding]:
     remedy = taps_remedy(ctx, truth) if truth is not None else None
     if v.ids is None:
         return out + _missing(ctx, truth, remedy)
-    raw = raw_taps(ctx.convention, v.ids)
+    raw = raw_taps(ctx.convention, v.ids, N)
     if any(not 0 <= t <= N for t in raw):
         out.append(finding("TAPS_OUT_OF_RANGE", "error",
                            f"{key} = {v.ids} mean taps {list(raw)} to {name}, beyond the target's "

@@ -551,7 +551,8 @@ def register(sub) -> None:
     p.add_argument("--wirings", action="store_true",
                    help="serve again with other tap ids: vLLM every id -1 and +1 and id 0 in place of the first; "
                         "SGLang every nested id +1 and -1, the nested key misspelled (its default taps) and, on a "
-                        "DeepSeek-family target, the embedding (id 0) in place of the first tap")
+                        "family whose SGLang captures the embedding (DeepSeek, the Qwen MoEs), the embedding in place "
+                        "of the first tap")
     p.add_argument("--engine-args", default=None, metavar='"ARGS"',
                    help="SGLang: its --speculative-num-steps/-eagle-topk/-num-draft-tokens as on its command line, "
                         "served as they are; the report says what SGLang resolved them to")

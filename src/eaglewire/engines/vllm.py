@@ -266,7 +266,7 @@ class Serving:
 
     @staticmethod
     def captured(result: dict) -> dict | None:
-        """The taps vLLM said it captures (its ids are taps; id 0 feeds the last layer's output, taps._VLLM_ID0)."""
+        """The taps vLLM said it captures (its ids are taps; id 0 is not the embedding, taps._VLLM_ID0)."""
         seen = result.get("aux_layers")
         return None if seen is None else {"from": seen["from"], "taps": seen["ids"]}
 
@@ -281,8 +281,8 @@ class Serving:
     @staticmethod
     def wirings(taps: tuple[int, ...], num_layers: int, model_type: str | None) -> list[dict]:
         """The doctor's main alternatives in vLLM's ids: every tap -1 and +1, and id 0 for the first tap (the
-        embedding on paper, the last layer's output in vLLM 0.26.0: what a checkpoint asking for the embedding
-        really gets). Each: label, ids, the taps vLLM will capture (None: not a tap) and the config edit."""
+        embedding on paper, the last layer's output in vLLM 0.26.0 eager, undefined compiled: taps._VLLM_ID0; what a
+        checkpoint asking for the embedding really gets). Each: label, ids, the taps vLLM will capture (None: not a tap) and the config edit."""
         from ..doctor.probe import candidates
         from ..interop.common import IDS_KEY
         from ..taps import CONVENTIONS
@@ -297,7 +297,7 @@ class Serving:
                 out.append({"label": w.label, "ids": ids, "taps": list(w.sources), "edit": top_level(ids)})
         if taps[0] > 0:
             ids = [0] + conv.to_ids(taps[1:], num_layers)
-            out.append({"label": f"id 0 for tap {taps[0]}: the embedding on paper, the last layer's output in vLLM",
+            out.append({"label": f"id 0 for tap {taps[0]}: the embedding on paper, not what vLLM feeds",
                         "ids": ids, "taps": None, "edit": top_level(ids)})
         return out
 

@@ -21,7 +21,9 @@ Rules read from the sglang wheels' source (sglang/srt/...), per release; lines a
   `set_eagle3_layers_to_capture`: None -> [2, N//2, N-3] used as-is; explicit ids -> `val + 1`. The
   capture at layer i is `hidden_states + residual` entering it (llama.py:434-437). In models/deepseek_v2.py
   (:3134-3149) and glm4_moe_lite.py (:1013-1028) the same holds before 0.5.13. From 0.5.13 (PR #25454) they
-  add 1 only when ids[0] == 1.
+  add 1 only when ids[0] == 1. Other families read them otherwise in 0.5.17 (gpt_oss, glm4_moe_lite, the Qwen
+  MoEs' embedding at id -1: eaglewire.taps.SGLANG_FAMILIES), and some targets cannot feed a draft at all
+  (EAGLE3_TARGETS, CAPTURE_FAULTS below).
 The index rules themselves live in eaglewire.taps (sglang_convention); this module only picks one.
 """
 
@@ -33,7 +35,8 @@ import torch
 
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import TapError, UsageError
-from ..taps import CONVENTIONS, TapContract, sglang_convention, sglang_default_taps
+from ..taps import (CONVENTIONS, SGLANG_HEURISTIC_SINCE, TapContract, sglang_convention, sglang_default_taps,
+                    sglang_eras)
 from .common import (AS_WRITTEN_KEYS, IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, as_written,
                      check_flag_values, complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes,
                      window_from_hf)
@@ -44,9 +47,59 @@ ARCH = "LlamaForCausalLMEagle3"
 LATEST = "0.5.23"  # the newest release whose source these rules were checked against
 # First releases with each behaviour (checked in the published wheels).
 LAYERS_RENAME_SINCE = (0, 5, 12)  # layers.0 naming, fc width from the ids, fc_norm, norm_output, >1 layer
-HEURISTIC_SINCE = (0, 5, 13)  # deepseek_v2 first-id heuristic, PR #25454
+HEURISTIC_SINCE = SGLANG_HEURISTIC_SINCE  # deepseek_v2 first-id heuristic, PR #25454
 NORM_BEFORE_FC_SINCE = (0, 5, 17)
 REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")  # SpecForge export/to_sglang.py
+
+# The target classes SGLang 0.5.17 can run an EAGLE-3 draft on: srt/models/*.py EntryClass with
+# set_eagle3_layers_to_capture, its own or inherited (`python benchmarks/sglang_targets.py SITE` lists them). SGLang
+# loads the class registered under the target's architectures, an unknown one as TransformersForCausalLM
+# (models/registry.py:61-91), and calls the setter on any EAGLE-3 target
+# (model_executor/model_runner_components/attention_backend_setup.py:54): any other class stops it at start-up.
+EAGLE3_TARGETS = frozenset({
+    "ApertusForCausalLM", "BailingMoEForCausalLM", "BailingMoeForCausalLM", "BailingMoeV2ForCausalLM",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "ExaoneMoEForCausalLM",
+    "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+    "Gemma4UnifiedForConditionalGeneration", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM",
+    "GptOssForCausalLM", "IQuestCoderForCausalLM", "InternLM3ForCausalLM", "InternS1ProForConditionalGeneration",
+    "InternS2PreviewForConditionalGeneration", "KimiK25ForConditionalGeneration", "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration", "LlamaForCausalLM", "LongcatFlashForCausalLM", "MellumForCausalLM",
+    "MindSporeForCausalLM", "MiniMaxM2ForCausalLM", "MiniMaxM3SparseForCausalLM", "Ministral3ForCausalLM",
+    "MistralForCausalLM", "MistralLarge3ForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration", "SarvamMoEForCausalLM", "TeleFLMForCausalLM"})
+
+# Targets SGLang 0.5.17 has the setter for, but whose capture does not hand the draft the residual stream entering
+# the layer (what eaglewire trains on: HF's hidden_states). Read from the source; no run has measured them.
+_NO_CAPTURE = ("its setter (qwen3_vl.py:1542-1553) fills layers_to_capture, which this class's forward never reads "
+               "(qwen3_5.py:1441-1445): nothing is captured, and the first forward fails")
+_GEMMA3 = ("gemma3 captures `hidden_states` alone (gemma3_causal.py:641-661), the layer's normed MLP output in its "
+           "live-residual layout (:388-410), not the residual stream: the draft is fed other numbers than it was "
+           "trained on")
+_GEMMA4 = ("gemma4 captures the tensor each layer then takes as its residual (gemma4_causal.py:978-979, :658) and "
+           "updates in place with the attention output (gemma_fused_add_rmsnorm, :667-672): on CUDA the draft reads "
+           "the stream after attention, not the one entering the layer")
+CAPTURE_FAULTS = {
+    "Qwen3_5ForConditionalGeneration": _NO_CAPTURE, "Qwen3_5MoeForConditionalGeneration": _NO_CAPTURE,
+    "InternS2PreviewForConditionalGeneration": _NO_CAPTURE,
+    "MiniMaxM3SparseForCausalLM": "its setter (minimax_m3.py:1511-1524) fills layers_to_capture, which the forward "
+                                  "never reads (:1399-1403): nothing is captured, and the first forward fails",
+    "Gemma3ForCausalLM": _GEMMA3, "Gemma3ForConditionalGeneration": _GEMMA3,
+    "Gemma4ForCausalLM": _GEMMA4, "Gemma4ForConditionalGeneration": _GEMMA4,
+    "Gemma4UnifiedForConditionalGeneration": _GEMMA4}
+
+
+def target_fault(architecture: str | None) -> str | None:
+    """Why SGLang 0.5.17 cannot feed an EAGLE-3 draft the taps of a target of this architecture, or None (also
+    None for an unknown architecture: nothing can be said)."""
+    if not architecture:
+        return None
+    if architecture not in EAGLE3_TARGETS:
+        return (f"SGLang 0.5.17 has no EAGLE-3 capture for {architecture} (no set_eagle3_layers_to_capture in its "
+                "srt/models/): it stops at start-up (model_runner_components/attention_backend_setup.py:54)")
+    fault = CAPTURE_FAULTS.get(architecture)
+    return f"SGLang 0.5.17 runs {architecture}, but {fault}" if fault else None
 
 
 def parse_version(v: str | None) -> tuple[int, ...]:
@@ -60,8 +113,7 @@ def parse_version(v: str | None) -> tuple[int, ...]:
 
 
 def convention_for(model_type: str | None, version: str | None) -> str:
-    legacy = parse_version(version) < HEURISTIC_SINCE
-    return sglang_convention(model_type or "llama", legacy=legacy)
+    return sglang_convention(model_type, parse_version(version))
 
 
 # --- export ---------------------------------------------------------------------------------------
@@ -99,32 +151,60 @@ def check_exportable(c: DraftConfig, contract: TapContract, version: tuple) -> N
 
 
 def choose_ids(contract: TapContract, model_type: str | None, version: str | None) -> tuple[list[int], str, list[str]]:
-    """Ids in SGLang's words -> (ids, convention, notes). Refuses taps SGLang cannot capture."""
+    """Ids in SGLang's words -> (ids, convention, notes). Refuses taps SGLang cannot capture. Where the family's
+    rule changed between releases (eaglewire.taps.SGLANG_FAMILIES), ids every release reads as the same taps are
+    preferred, and otherwise a note says which releases the ids are right for."""
     conv = convention_for(model_type, version)
-    notes = []
     try:
         ids = CONVENTIONS[conv].to_ids(contract.taps, contract.num_layers)
     except TapError as e:
         raise UsageError(f"SGLang cannot capture these taps: {e}") from None
-    if conv in ("sglang-deepseek", "sglang-deepseek-legacy"):
-        other = "sglang-deepseek-legacy" if conv == "sglang-deepseek" else "sglang-deepseek"
+    eras = sglang_eras(model_type)
+    if len(eras) == 1:
+        return ids, conv, []
+
+    def reads(era_conv: str, cand: list[int]) -> bool:
         try:
-            alt = CONVENTIONS[other].to_ids(contract.taps, contract.num_layers)
-        except TapError:  # the embedding: only the first-id heuristic's SGLang captures it
-            alt = None
-        legacy_ids = alt if conv == "sglang-deepseek" else ids
-        if legacy_ids is not None and CONVENTIONS["sglang-deepseek"].from_ids(legacy_ids, contract.num_layers) \
-                == contract.taps:
-            ids, conv = legacy_ids, "sglang-deepseek-legacy"
-            notes.append(f"ids {ids} start at 1, so SGLang reads them as the same taps before and after 0.5.13 "
-                         "(PR #25454): this export works on every SGLang version")
-        else:
-            when = "0.5.13 and newer" if conv == "sglang-deepseek" else "before 0.5.13"
-            rest = "older" if conv == "sglang-deepseek" else "newer"
-            notes.append(f"DeepSeek-family target: ids {ids} are right for SGLang {when} only; " + (
-                f"{rest} SGLang needs {alt} (first-id heuristic, PR #25454): export again with --engine-version"
-                if alt is not None else f"{rest} SGLang cannot be given taps {list(contract.taps)}"))
-    return ids, conv, notes
+            return CONVENTIONS[era_conv].from_ids(cand, contract.num_layers) == contract.taps
+        except TapError:
+            return False
+
+    candidates = [ids]
+    for _, era_conv in eras:
+        try:
+            candidates.append(CONVENTIONS[era_conv].to_ids(contract.taps, contract.num_layers))
+        except TapError:
+            pass
+    everywhere = next((c for c in candidates if all(reads(e, c) for _, e in eras)), None)
+    if everywhere is not None:
+        if everywhere != ids:  # the release's own form reads otherwise elsewhere: this one works on each
+            return everywhere, conv, [f"ids {everywhere} mean taps {list(contract.taps)} to SGLang "
+                                      f"{_eras_text(eras)} alike: this export works on every SGLang version"]
+        return ids, conv, []
+    right = [e for e in eras if reads(e[1], ids)]
+    others = [(since, e) for since, e in eras if (since, e) not in right]
+    note = f"{model_type} target: ids {ids} are right for SGLang {_eras_text(right, eras)} only"
+    for since, e in others:
+        try:
+            alt = CONVENTIONS[e].to_ids(contract.taps, contract.num_layers)
+            note += f"; SGLang {_eras_text([(since, e)], eras)} needs {alt} ({CONVENTIONS[e].meaning}): export again " \
+                    "with --engine-version"
+        except TapError:
+            note += f"; SGLang {_eras_text([(since, e)], eras)} cannot be given taps {list(contract.taps)}"
+    return ids, conv, [note]
+
+
+def _eras_text(picked, eras=None) -> str:
+    """Releases of the eras picked, in words: '0.5.13 and newer', 'before 0.5.13', '0.5.13 to 0.5.16'."""
+    eras = eras or picked
+    parts = []
+    for since, conv in picked:
+        i = eras.index((since, conv))
+        until = eras[i - 1][0] if i > 0 else None
+        lo = ".".join(map(str, since)) if since != (0,) else None
+        hi = ".".join(map(str, until)) if until else None
+        parts.append(f"{lo} and newer" if hi is None else f"before {hi}" if lo is None else f"{lo} up to {hi}")
+    return ", ".join(parts)
 
 
 CARRIED = "llama-eagle3-config"  # Reading.carried["format"] of an SGLang / SpecForge import
@@ -144,6 +224,9 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_versi
     version = parse_version(engine_version)
     check_exportable(c, contract, version)
     ids, conv, notes = choose_ids(contract, target.get("model_type"), engine_version)
+    fault = target_fault(target.get("architecture"))
+    if fault:
+        notes.append(f"{fault} (read from its source; other releases not read)")
     if c.sliding_window is not None:
         # 0.5.17 llama_eagle3.py:276-288 (LlamaForCausalLMEagle3.__init__) takes the draft's window from the server
         # argument speculative_draft_window_size alone; config.json's layer_types/sliding_window only record it.
@@ -170,9 +253,15 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_versi
 
 # --- what SGLang reads ----------------------------------------------------------------------------
 
+def _count(cfg: dict, key: str) -> int | None:
+    """An integer field as SGLang reads it; another type is the doctor's CONFIG_TYPE finding, not a crash here."""
+    v = cfg.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def _params(cfg: dict, num_aux: int, version: tuple) -> set[str]:
     """The parameter names (without the `model.` prefix) SGLang's LlamaForCausalLMEagle3 builds."""
-    n = int(cfg.get("num_hidden_layers") or 1)
+    n = _count(cfg, "num_hidden_layers") or 1
     layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
              "post_attention_layernorm.weight", "hidden_norm.weight"]
@@ -242,7 +331,7 @@ def engine_view(dd: DraftDir, version: str | None, model_type: str | None, num_l
     # llama_eagle3.py:148-153 (0.5.12 on): num_aux_hidden_states if set, else the nested ids' count, else 3
     num_aux = 3
     if v >= LAYERS_RENAME_SINCE:
-        num_aux = int(cfg.get("num_aux_hidden_states") or 0) or (len(ids) if ids else 3)
+        num_aux = _count(cfg, "num_aux_hidden_states") or (len(ids) if ids else 3)
     params = _params(cfg, num_aux, v)
     kept, dropped = {}, []
     for name in sorted(dd.names):
