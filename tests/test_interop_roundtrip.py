@@ -125,14 +125,27 @@ def test_sglang_refuses_flags_it_cannot_run(tmp_path, flags, version, match):
     assert not (tmp_path / "out").exists()
 
 
-def test_old_sglang_refuses_four_taps_and_vllm_refuses_them_too(tmp_path):
+def test_four_taps_old_sglang_refuses_and_vllm_gets_its_fc_width_written(tmp_path):
+    """SGLang before 0.5.12 builds fc for 3 taps (llama_eagle3.py); vLLM 0.26.0 sizes it by the layer config's
+    num_aux_hidden_states (llama_eagle3.py:176-182), which the speculators config carries over as the draft's
+    config (transformers_utils/configs/speculators/base.py:61-65), else 3."""
     save_tiny(tmp_path / "ck", taps=(2, 3, 4, 5))
     with pytest.raises(UsageError, match="tap count"):
         interop.export_draft(tmp_path / "ck", "sglang", tmp_path / "a", engine_version="0.5.11")
-    with pytest.raises(UsageError, match="exactly 3 taps"):
-        interop.export_draft(tmp_path / "ck", "vllm", tmp_path / "b")
+    assert interop.export_draft(tmp_path / "ck", "vllm", tmp_path / "b").ids == [2, 3, 4, 5]
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["transformer_layer_config"]["num_aux_hidden_states"] == 4
+    view = interop.read_engine_view(tmp_path / "b", "vllm", num_layers=8)
+    assert view.num_aux_expected == 4 and not [p for p in view.problems if "fc.weight" in p]
+    del cfg["transformer_layer_config"]["num_aux_hidden_states"]  # what an export without it reads as
+    (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
+    assert interop.read_engine_view(tmp_path / "b", "vllm", num_layers=8).num_aux_expected == 3
     assert interop.export_draft(tmp_path / "ck", "sglang", tmp_path / "c").ids == [1, 2, 3, 4]
     assert interop.export_draft(tmp_path / "ck", "speculators", tmp_path / "d").ids == [2, 3, 4, 5]
+    three = tmp_path / "three"
+    save_tiny(tmp_path / "ck3")
+    interop.export_draft(tmp_path / "ck3", "vllm", three)
+    assert "num_aux_hidden_states" not in json.loads((three / "config.json").read_text())["transformer_layer_config"]
 
 
 def test_export_refuses_a_non_empty_out_dir(tmp_path):

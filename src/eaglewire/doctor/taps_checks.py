@@ -46,7 +46,8 @@ def check_taps(ctx: Context) -> list[Finding]:
                                f"{len(truth)} taps {list(truth)}",
                                "serve it with SGLang 0.5.12 or newer (fc width follows the ids): "
                                "--engine-version 0.5.12" if ctx.engine == "sglang" else
-                               "retrain on 3 taps (vLLM's llama_eagle3.py fc is 3 taps wide)"))
+                               f"write num_aux_hidden_states = {len(truth)} in the layer config (vLLM 0.26.0 "
+                               "llama_eagle3.py:176-182 sizes fc by it), or export the draft again"))
     if not s.recorded and v.ids is None:
         truth = None  # what the engine reads says nothing of the trained taps: stated ids (if any) are the evidence
     if truth is not None and ctx.engine == "vllm" and N in truth:

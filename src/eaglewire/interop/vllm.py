@@ -32,7 +32,7 @@ NAME = "vllm"
 SPECULATORS = "speculators"
 SPEC_ARCH = "Eagle3Speculator"
 PLAIN_ARCHS = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")  # vLLM's model registry names
-VLLM_FC_TAPS = 3  # llama_eagle3.py: fc input = target_hidden_size * 3
+VLLM_FC_TAPS = 3  # fc's width in taps where the config says nothing else (_fc_taps)
 # speculators.models.eagle3 config defaults vs vLLM's update_eagle3 defaults for absent flags.
 SPECULATORS_DEFAULTS = dict.fromkeys(NORM_FLAGS, False)
 VLLM_SPECULATORS_DEFAULTS = {**SPECULATORS_DEFAULTS, "norm_before_residual": True}
@@ -52,9 +52,6 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, fmt: str, nu
     carried: Reading.carried of the draft's import: its layer config's rope/window keys as written, and its verifier
     (used where --target-path does not name one)."""
     c, notes, carried = model.config, [], carried or {}
-    if fmt == NAME and len(contract.taps) != VLLM_FC_TAPS:
-        raise UsageError(f"vLLM builds the draft's fc for exactly 3 taps (llama_eagle3.py); this draft reads "
-                         f"{len(contract.taps)} taps {list(contract.taps)}")
     if fmt == SPECULATORS and c.target_hidden_size != c.hidden_size:
         raise UsageError(f"the speculators library builds fc over num_taps x hidden_size ({c.hidden_size}); this "
                          f"draft reads taps of width {c.target_hidden_size}: export with --format vllm")
@@ -70,6 +67,11 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, fmt: str, nu
     if carried.get("format") == CARRIED:
         layer = as_written(layer, carried.get("layer"), c, "the imported draft's layer config")
     layer["architectures"] = ["LlamaForCausalLM"]
+    if len(contract.taps) != VLLM_FC_TAPS:
+        # vLLM builds fc from the layer config's num_aux_hidden_states (_fc_taps), else for 3 taps
+        layer["num_aux_hidden_states"] = len(contract.taps)
+        notes.append(f"{len(contract.taps)} taps: transformer_layer_config.num_aux_hidden_states sizes vLLM's fc "
+                     "(vLLM 0.26.0 llama_eagle3.py:176-182); a vLLM that does not read it builds fc for 3 taps")
     old = carried.get("verifier") if carried.get("format") == CARRIED else None
     old = old if isinstance(old, dict) else {}
     verifier_path = verifier or old.get("name_or_path")
@@ -110,8 +112,30 @@ def _layer_cfg(cfg: dict) -> dict:
     return cfg.get("transformer_layer_config") or {} if is_speculators(cfg) else cfg
 
 
+def _fc_taps(cfg: dict, layer: dict) -> int:
+    """The taps vLLM 0.26.0 sizes the draft's fc for. A speculators config becomes its transformer_layer_config plus
+    the top-level ids (transformers_utils/configs/speculators/base.py:61-65, algos.py:49-52); a plain one is read
+    whole. Llama layers (llama_eagle3.py:176-182): num_aux_hidden_states, else the nested ids' count, else 3. Qwen3
+    layers (qwen3_eagle3.py:200-207): num_aux_layers, num_aux_hidden_states, else the top-level or nested ids'
+    count, else 3."""
+    ids = cfg.get(IDS_KEY) if is_speculators(cfg) else layer.get(IDS_KEY)
+    nested = (layer.get("eagle_config") or {}).get(IDS_KEY) if isinstance(layer.get("eagle_config"), dict) else None
+    if is_speculators(cfg) and layer.get("model_type") == "qwen3":
+        n = _count(layer, "num_aux_layers") or _count(layer, "num_aux_hidden_states")
+        listed = ids or nested
+    else:
+        n, listed = _count(layer, "num_aux_hidden_states"), nested
+    return n or (len(listed) if isinstance(listed, list) and listed else VLLM_FC_TAPS)
+
+
+def _count(cfg: dict, key: str) -> int | None:
+    """An integer field as vLLM reads it; another type is the doctor's CONFIG_TYPE finding, not a crash here."""
+    v = cfg.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def _params(layer: dict, flags: dict, num_aux: int) -> set[str]:
-    n = int(layer.get("num_hidden_layers") or 1)
+    n = _count(layer, "num_hidden_layers") or 1
     per = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight",
            "input_layernorm.weight"]
@@ -150,7 +174,7 @@ def engine_view(dd: DraftDir, engine: str, num_layers: int | None) -> EngineView
         written = cfg.get(f)
         flags[f] = FlagView(written=written, where=f if written is not None else None, engine_default=defaults[f],
                             effective=bool(defaults[f] if written is None else written), supported=True)
-    num_aux = VLLM_FC_TAPS if engine == NAME else (len(ids) if ids else 3)
+    num_aux = _fc_taps(cfg, layer) if engine == NAME else (len(ids) if ids else 3)
     params = _params(layer, {f: v.effective for f, v in flags.items()}, num_aux)
     kept, dropped = {}, []
     for name in sorted(dd.names):
