@@ -109,8 +109,8 @@ def _missing(ctx: Context, truth, remedy: Remedy | None) -> list[Finding]:
         remedy = Remedy(commands=(probe_command(ctx),))
     if ignored is not None:
         where, ids = ignored
-        return [finding("TAPS_WRONG_PLACE", sev, f"layer ids {ids} are under {where}, which {name} never reads "
-                        f"(it reads only {key}): {fallback}", "put them where the engine reads them", remedy)]
+        return [finding("TAPS_WRONG_PLACE", sev, f"layer ids {ids} are under {where}, {_never_reads(ctx, where, ids, truth)} "
+                        f"(it reads {key}): {fallback}", "put them where the engine reads them", remedy)]
     fix = "write the ids explicitly" if truth is not None else "measure which taps it reads"
     return [finding("TAPS_MISSING", sev, f"no {key} in config.json{quirk}: {fallback}", fix, remedy)]
 
@@ -118,11 +118,11 @@ def _missing(ctx: Context, truth, remedy: Remedy | None) -> list[Finding]:
 def _stated_elsewhere(ctx: Context, where: str, ids: list[int], default, fallback: str) -> Finding:
     """No record: ids under a key this engine never reads still state which taps were meant, in the
     convention of the engines that read that key."""
-    name, key = engine_name(ctx), ctx.ids_key
+    key = ctx.ids_key
     readings = stated_taps(ctx, where, ids)
     said = " or ".join(f"taps {list(t)} as {who} reads them" for who, t in readings) or "no taps this target has"
     agree = default is not None and any(tuple(t) == tuple(default) for _, t in readings)
-    msg = f"layer ids {ids} are under {where}, which {name} never reads (it reads only {key}); they state {said}"
+    msg = f"layer ids {ids} are under {where}, {_never_reads(ctx, where, ids, None)} (it reads {key}); they state {said}"
     one = {tuple(t) for _, t in readings}
     remedy = taps_remedy(ctx, next(iter(one))) if len(one) == 1 else None
     if agree:
@@ -132,6 +132,24 @@ def _stated_elsewhere(ctx: Context, where: str, ids: list[int], default, fallbac
                    "write the stated taps where the engine reads them" if remedy else
                    "find out which convention wrote them, then write the ids where the engine reads them "
                    f"(measure with `{' '.join(probe_command(ctx))}`)", remedy)
+
+
+def _never_reads(ctx: Context, where: str, ids: list[int], truth) -> str:
+    """'which <engine> never reads', and for vLLM's nested key what its V1 runner does with it instead. vLLM 0.26.0's
+    V2 runner (dense targets: config/vllm.py:600-622) reads the top-level key only (v1/worker/gpu/spec_decode/
+    eagle/eagle3_utils.py:35-58); V1 (MoE and hybrid targets) falls back to the nested key where the top-level one
+    is absent (v1/worker/gpu_model_runner.py:5445-5476), as its own ids."""
+    if ctx.engine != "vllm" or not where.startswith("eagle_config."):
+        return f"which {engine_name(ctx)} never reads"
+    try:
+        taps = list(CONVENTIONS["vllm"].from_ids(ids, ctx.num_layers)) if ctx.num_layers else None
+    except TapError:
+        taps = None
+    read = f"as taps {taps}" if taps else "as its own ids"
+    if truth is not None and taps:
+        read += ", the trained taps" if tuple(taps) == tuple(truth) else ", not the trained taps"
+    return (f"which vLLM's V2 runner (dense targets) never reads; its V1 runner (MoE and hybrid targets) reads them "
+            f"{read}")
 
 
 def stated_taps(ctx: Context, where: str, ids: list[int]) -> list[tuple[str, tuple[int, ...]]]:
