@@ -410,3 +410,17 @@ def test_sglang_target_classes_that_cannot_feed_the_draft_are_named(tmp_path, ar
     assert f.severity == "warning" and says in f.message and "0.5.17" in f.message
     plain = export(tmp_path, "sglang")  # LlamaForCausalLM: llama.py has the setter and captures the stream
     assert "TAPS_UNSUPPORTED" not in diagnose(DoctorRequest(plain, engine="sglang")).codes()
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_nonfinite_weights_are_an_error(tmp_path, fmt):
+    out = export(tmp_path, fmt)
+    t = load_file(str(out / "model.safetensors"))
+    assert "WEIGHTS_NONFINITE" not in diagnose(DoctorRequest(out)).codes()
+    t["fc.weight"][0, 0] = float("nan")
+    t["norm.weight"][1] = float("inf")
+    save_file(t, str(out / "model.safetensors"))
+    r = diagnose(DoctorRequest(out))
+    f = r.get("WEIGHTS_NONFINITE")
+    assert f.severity == "error" and "2 weight tensor(s)" in f.message and "fc.weight" in f.message
+    assert r.exit_code == 1

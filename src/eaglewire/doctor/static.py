@@ -7,6 +7,8 @@ only from eaglewire.taps (through the engine view and CONVENTIONS); this module 
 
 from __future__ import annotations
 
+import torch
+
 from ..errors import EaglewireError
 from ..interop.common import NORM_FLAGS
 from ..vocab import d2t_from_ids, t2d_from_d2t, validate_vocab
@@ -162,6 +164,18 @@ def check_weights(ctx: Context) -> list[Finding]:
     fix = "rename them to the engine's names" if remedy else (
         "export the draft again with eaglewire (it writes every name the engine requires)")
     return [finding("WEIGHTS_DROPPED", "error", "; ".join(parts), fix, remedy)]
+
+
+def check_finite(ctx: Context) -> list[Finding]:
+    """NaN or infinity anywhere in the stored weights (a diverged run, a bad cast): every engine loads them as they
+    are, and a draft whose activations are NaN proposes tokens that are never accepted."""
+    bad = [n for n, t in sorted(ctx.subject.dd.tensors.items())
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if not bad:
+        return []
+    return [finding("WEIGHTS_NONFINITE", "error", f"{len(bad)} weight tensor(s) hold NaN or infinity: {_few(bad)}",
+                    "train again from the last checkpoint whose weights are finite (a lower learning rate, or "
+                    "bf16/fp32 rather than fp16), then export again")]
 
 
 def _few(names: list[str], k: int = 4) -> str:
@@ -404,7 +418,7 @@ def check_target(ctx: Context) -> list[Finding]:
     return out
 
 
-CHECKS = (check_format, check_taps, check_fc, check_bypass, check_weights, check_vocab, check_lm_head,
+CHECKS = (check_format, check_taps, check_fc, check_bypass, check_weights, check_finite, check_vocab, check_lm_head,
           check_embedding, check_norm_flags, check_config, check_engine_args, check_target)
 
 
