@@ -395,4 +395,9 @@ def test_a_target_whose_head_has_a_bias_is_refused_before_regeneration(target_di
     with pytest.raises(UsageError, match=r"--set head=random"):
         recipes.run_recipe(recipes.RECIPES["full"], tmp_path / "full", target=tgt,
                            prompts_path=sharegpt(tmp_path / "sg.json"), device="cpu", progress=False)
-    assert not (tmp_path / "full" / "prompts.jsonl").exists()
+    assert not (tmp_path / "full").exists()  # refused before it wrote anything: no directory left behind
+
+
+def test_a_refused_recipe_leaves_no_directory(tmp_path, capsys):
+    assert cli.main(["recipe", "demo", "--target", "nosuch", "--out", str(tmp_path / "r")]) == 2
+    assert "--target nosuch" in capsys.readouterr().err and not (tmp_path / "r").exists()

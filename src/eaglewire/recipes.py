@@ -217,8 +217,13 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
         raise UsageError(f"recipe {recipe.name} is meant for a GPU and none is visible; pass --device cpu to run it "
                          "here anyway (slowly)")
     dist = Dist.setup(dev)
+    made = not Path(out).exists()
     try:
         return _run(recipe, Path(out), target, prompts_path, dist, progress, t0)
+    except BaseException:
+        if made and dist.main and Path(out).is_dir() and not any(Path(out).iterdir()):
+            Path(out).rmdir()  # a run refused before it wrote anything leaves no directory behind
+        raise
     finally:
         dist.close()
 
