@@ -187,6 +187,14 @@ def _check_rope_scaling(rs) -> dict | None:
     return rs
 
 
+def unsupported_rope(target_config) -> str | None:
+    """The target's RoPE scaling type when the draft does not implement it (yarn, dynamic, ...), else None. A new
+    draft need not share the target's scaling: it is trained and served with its own."""
+    scaling = _target_rope(text_config(target_config))[1] or {}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    return None if kind == "default" or kind in _ROPE_SCALINGS else kind
+
+
 def _target_rope(cfg) -> tuple[float, dict | None]:
     # transformers 5 keeps theta and scaling together in `rope_parameters`; older configs have
     # `rope_theta` plus `rope_scaling`.

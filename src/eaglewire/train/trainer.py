@@ -32,6 +32,7 @@ from ..capture import capture, locate
 from ..checkpoint import check_pair
 from ..data import shards
 from ..draft import DraftConfig, Eagle3Draft
+from ..draft_config import unsupported_rope
 from ..errors import EaglewireError, UsageError
 from ..parallel import Dist
 from ..taps import TapContract
@@ -191,6 +192,11 @@ def _new_draft(cfg: TrainConfig, target, stack, corpus: train_data.Corpus, train
     freqs = corpus.token_freqs if cfg.max_train_samples is None else corpus.token_freqs_of(train_idx)
     d2t, t2d = select_draft_vocab(dict(freqs), size, always=always, vocab_size=V)
     over = {"num_layers": cfg.draft_layers or 1, **(cfg.draft_overrides or {})}
+    kind = unsupported_rope(target.model.config)
+    if kind and "rope_scaling" not in over:
+        over["rope_scaling"] = None
+        print(f"eaglewire train: the draft uses plain RoPE: the target's {kind} scaling is not one it implements, and "
+              "a draft is served with its own (its exports say rope_scaling null)", file=sys.stderr)
     over.setdefault("max_position_embeddings", max(getattr(tc, "max_position_embeddings", 0) or 0,
                                                    cfg.max_len + cfg.ttt_steps))
     dcfg = DraftConfig.for_target(target.model.config, len(corpus.contract.taps), size, **over)
