@@ -100,3 +100,14 @@ def test_a_budget_stops_at_its_estimated_step_between_logs(setup):
     assert r.metrics["budget_seconds"] < SLOW_BUDGET_S + 2 * STEP_S
     logged = [json.loads(x) for x in (root / "slow" / "train_log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in logged if x["kind"] == "train"][-1] == r.metrics["steps"]
+
+
+@pytest.mark.usefixtures("slow_steps")
+def test_one_process_stops_at_the_first_step_past_its_budget_however_far_apart_its_logs(setup):
+    """Slow steps and no log before the plan's end: a single process checks its clock after every step, so it
+    stops one step past the budget, not minutes later at a log (a recipe on a slow device did)."""
+    root, target = setup
+    cfg = TrainConfig(steps=60, time_budget_s=BUDGET_S, **{**FAST, "log_every": 100})
+    r = train(cfg, target, root / "data", out=root / "rare-logs", progress=False)
+    assert r.metrics["steps"] < 20 and "reached" in r.metrics["stopped_early"]
+    assert r.metrics["budget_seconds"] < BUDGET_S + 2 * STEP_S

@@ -265,7 +265,7 @@ class Trainer:
             done = step + 1
             if done == start + 1 and cfg.budget_from == "first-step":
                 self._start_budget()
-            if done % cfg.log_every == 0 or done == self.s.total:
+            if done % cfg.log_every == 0 or done == self.s.total or self._over_budget_alone():
                 stopped = self._log(done, epoch, self.acc, bar)
                 self.acc = self._fresh_acc()
             if not stopped and self.estimated and done >= self.horizon < self.s.total:
@@ -300,6 +300,12 @@ class Trainer:
             spent = time.perf_counter() - t
             self.t_other += spent
             self.clock.paused(done, spent)
+
+    def _over_budget_alone(self) -> bool:
+        """One process past its time budget: checked after every step, where the logs that check it under torchrun
+        (all ranks at once) can be minutes apart when steps are slow."""
+        return (self.dist.world == 1 and self.cfg.time_budget_s is not None
+                and time.perf_counter() - self.clock.started > self.cfg.time_budget_s)
 
     def _start_budget(self) -> None:
         """The budget starts now, after this process's first step (its compilation included)."""
