@@ -163,3 +163,17 @@ def test_contract_serialises_with_every_engines_words():
     assert e["in_conventions"]["sglang"].startswith("unsupported")
     with pytest.raises(TapError, match="missing field"):
         TapContract.from_dict({"taps": [1]})
+
+
+def test_the_taps_table_gives_each_sglang_rule_of_a_family_with_its_releases():
+    """`eaglewire taps` on a DeepSeek-V3 target: both of deepseek_v2.py's rules (PR #25454, in 0.5.13), each with
+    the releases it holds for; a llama target has one rule, for every release."""
+    from eaglewire.commands import engine_table
+
+    rows = {r["convention"]: r for r in engine_table(TapContract(61, (3, 31, 59)), "deepseek_v3")}
+    assert rows["sglang-deepseek"]["ids"] == [3, 31, 59]
+    assert rows["sglang-deepseek"]["sglang_releases"] == "0.5.13 and newer"
+    assert rows["sglang-deepseek-legacy"]["ids"] == [2, 30, 58]
+    assert rows["sglang-deepseek-legacy"]["sglang_releases"] == "before 0.5.13"
+    llama = {r["convention"]: r for r in engine_table(TapContract(30, (2, 15, 27)), "llama")}
+    assert llama["sglang"]["sglang_releases"] == "every release" and "sglang-deepseek" not in llama

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from . import cli_args, targets
-from .taps import CONVENTIONS, TapContract, sglang_eras
+from .taps import CONVENTIONS, TapContract, sglang_eras, sglang_releases
 from .errors import TapError, UsageError
 
 
@@ -22,9 +22,10 @@ def cmd_prepare(args) -> int:
 def engine_table(contract: TapContract, model_type: str) -> list[dict]:
     """Each engine's ids and config key for a contract; unsupported ones say why."""
     rows = []
-    # every SGLang rule the family has had, newest first (taps.SGLANG_FAMILIES)
-    sglang = list(dict.fromkeys(conv for _, conv in sglang_eras(model_type)))
-    names = ["hf", "vllm", "vllm-legacy", "speculators", *sglang, "specforge", "eagle"]
+    # every SGLang rule the family has had, newest first (taps.SGLANG_FAMILIES), with the releases it holds for
+    eras = sglang_eras(model_type)
+    releases = {conv: sglang_releases([(since, conv)], eras) for since, conv in eras}
+    names = ["hf", "vllm", "vllm-legacy", "speculators", *releases, "specforge", "eagle"]
     for name in names:
         conv = CONVENTIONS[name]
         try:
@@ -33,7 +34,8 @@ def engine_table(contract: TapContract, model_type: str) -> list[dict]:
             ids = None
             why = str(e)
         rows.append({"convention": name, "ids": ids, "where": conv.where, "meaning": conv.meaning,
-                     "unsupported": None if ids is not None else why})
+                     "unsupported": None if ids is not None else why,
+                     **({"sglang_releases": releases[name]} if name in releases else {})})
     return rows
 
 
@@ -56,7 +58,8 @@ def cmd_taps(args) -> int:
     w = max(len(r["convention"]) for r in rows)
     for r in rows:
         ids = str(r["ids"]) if r["ids"] is not None else "UNSUPPORTED"
-        print(f"{r['convention']:<{w}}  {ids:<16} {r['where']}")
+        when = f" (SGLang {r['sglang_releases']})" if r.get("sglang_releases", "every release") != "every release" else ""
+        print(f"{r['convention']:<{w}}  {ids:<16} {r['where']}{when}")
         if r["unsupported"]:
             print(f"{'':<{w}}  {r['unsupported']}")
     return 0

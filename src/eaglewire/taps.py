@@ -295,6 +295,20 @@ def sglang_eras(model_type: str | None) -> tuple[tuple[tuple[int, ...], str], ..
     return SGLANG_FAMILIES.get(model_type or "llama", (((0,), "sglang"),))
 
 
+def sglang_releases(picked, eras=None) -> str:
+    """The releases of the eras picked, in words: '0.5.13 and newer', 'before 0.5.13', '0.5.13 up to 0.5.17'."""
+    eras = eras or picked
+    parts = []
+    for since, conv in picked:
+        i = eras.index((since, conv))
+        until = eras[i - 1][0] if i > 0 else None
+        lo = ".".join(map(str, since)) if since != (0,) else None
+        hi = ".".join(map(str, until)) if until else None
+        parts.append("every release" if lo is None and hi is None else f"{lo} and newer" if hi is None
+                     else f"before {hi}" if lo is None else f"{lo} up to {hi}")
+    return ", ".join(parts)
+
+
 def sglang_convention(model_type: str | None, version: tuple[int, ...] | None = None) -> str:
     """The SGLang convention for a target's HF model_type in a release (None: the newest rules)."""
     eras = sglang_eras(model_type)

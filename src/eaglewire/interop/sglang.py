@@ -36,7 +36,7 @@ import torch
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import TapError, UsageError
 from ..taps import (CONVENTIONS, SGLANG_HEURISTIC_SINCE, TapContract, sglang_convention, sglang_default_taps,
-                    sglang_eras)
+                    sglang_eras, sglang_releases)
 from .common import (AS_WRITTEN_KEYS, IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, as_written,
                      check_flag_values, complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes,
                      window_from_hf)
@@ -179,32 +179,19 @@ def choose_ids(contract: TapContract, model_type: str | None, version: str | Non
     if everywhere is not None:
         if everywhere != ids:  # the release's own form reads otherwise elsewhere: this one works on each
             return everywhere, conv, [f"ids {everywhere} mean taps {list(contract.taps)} to SGLang "
-                                      f"{_eras_text(eras)} alike: this export works on every SGLang version"]
+                                      f"{sglang_releases(eras)} alike: this export works on every SGLang version"]
         return ids, conv, []
     right = [e for e in eras if reads(e[1], ids)]
     others = [(since, e) for since, e in eras if (since, e) not in right]
-    note = f"{model_type} target: ids {ids} are right for SGLang {_eras_text(right, eras)} only"
+    note = f"{model_type} target: ids {ids} are right for SGLang {sglang_releases(right, eras)} only"
     for since, e in others:
         try:
             alt = CONVENTIONS[e].to_ids(contract.taps, contract.num_layers)
-            note += f"; SGLang {_eras_text([(since, e)], eras)} needs {alt} ({CONVENTIONS[e].meaning}): export again " \
+            note += f"; SGLang {sglang_releases([(since, e)], eras)} needs {alt} ({CONVENTIONS[e].meaning}): export again " \
                     "with --engine-version"
         except TapError:
-            note += f"; SGLang {_eras_text([(since, e)], eras)} cannot be given taps {list(contract.taps)}"
+            note += f"; SGLang {sglang_releases([(since, e)], eras)} cannot be given taps {list(contract.taps)}"
     return ids, conv, [note]
-
-
-def _eras_text(picked, eras=None) -> str:
-    """Releases of the eras picked, in words: '0.5.13 and newer', 'before 0.5.13', '0.5.13 to 0.5.16'."""
-    eras = eras or picked
-    parts = []
-    for since, conv in picked:
-        i = eras.index((since, conv))
-        until = eras[i - 1][0] if i > 0 else None
-        lo = ".".join(map(str, since)) if since != (0,) else None
-        hi = ".".join(map(str, until)) if until else None
-        parts.append(f"{lo} and newer" if hi is None else f"before {hi}" if lo is None else f"{lo} up to {hi}")
-    return ", ".join(parts)
 
 
 CARRIED = "llama-eagle3-config"  # Reading.carried["format"] of an SGLang / SpecForge import
