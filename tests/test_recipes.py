@@ -401,3 +401,32 @@ def test_a_target_whose_head_has_a_bias_is_refused_before_regeneration(target_di
 def test_a_refused_recipe_leaves_no_directory(tmp_path, capsys):
     assert cli.main(["recipe", "demo", "--target", "nosuch", "--out", str(tmp_path / "r")]) == 2
     assert "--target nosuch" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_a_bench_that_would_eat_the_training_budget_is_skipped(monkeypatch, tmp_path, capsys):
+    """On a slow device the held-out bench's timed runs (measured as it warms up) can outlast what the budget
+    leaves: the recipe then skips the bench, says why, and trains for the budget, instead of training one second
+    and running far past it."""
+    import time
+
+    class Bench:
+        def __init__(self, s):
+            self.s = s
+
+        def estimate_s(self):
+            return self.s
+
+    setup = type("Setup", (), {"draft": None, "contract": None, "target": type("T", (), {"fingerprint": {}})()})()
+    monkeypatch.setattr(recipes.checkpoint, "save_draft", lambda *a, **k: None)
+    recipe = recipes.RECIPES["full"]
+    for estimate, kept in ((500.0, False), (40.0, True)):
+        monkeypatch.setattr(recipes, "_bench", lambda *a, e=estimate: Bench(e))
+        warm = recipes._WarmBench(recipe, None, progress=False, deadline=time.perf_counter() + 300)
+        assert warm(setup) == (estimate if kept else 0.0)  # what training keeps back for the bench
+        assert (warm.bench is not None) == kept and (warm.skipped is None) == kept
+    monkeypatch.setattr(recipes, "_bench", lambda *a: Bench(500.0))
+    warm = recipes._WarmBench(recipe, None, progress=False, deadline=time.perf_counter() + 300)
+    warm(setup)
+    report = recipes._held_out_bench(recipe, None, tmp_path / "draft", tmp_path, False, warm)
+    assert "estimated at 500 s, would take more than half of the" in report["skipped"]
+    assert "no held-out bench" in capsys.readouterr().err

@@ -14,7 +14,8 @@ Under `torchrun --nproc_per_node N -m eaglewire.cli recipe full|long ...` every 
 regenerates every N-th conversation and trains the draft (DDP) on all of them; rank 0 writes.
 
 Stages: prompts -> regenerate -> (datagen) -> train -> bench -> report. The held-out bench is built and
-warmed up before training's first step, so its compile is paid inside the budget. Each stage's time, the
+warmed up before training's first step, so its compile is paid inside the budget; where its timed runs would take
+more than half of what the budget leaves (a slow device), it is skipped and the report says why. Each stage's time, the
 training tokens/s and the model-FLOPs utilisation (against PEAK_TFLOPS) go to report.json and stdout.
 `--mode replies` stops after regeneration: the replies (regenerated.jsonl) to pool with other runs'
 and train on later, e.g. one recipe a GPU with its own --seed, then one `torchrun ... train` over all.
@@ -244,7 +245,8 @@ def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: 
     if recipe.mode == "datagen":
         data = _datagen(recipe, tgt, data, out, progress)
         clock.done("datagen")
-    warmed = _WarmBench(recipe, tgt, progress) if recipe.bench_suite and dist.world == 1 else None
+    deadline = t0 + recipe.budget_s - recipe.reserve_s if recipe.budget_s is not None else None
+    warmed = _WarmBench(recipe, tgt, progress, deadline) if recipe.bench_suite and dist.world == 1 else None
     result, cfg = _train(recipe, tgt, data, out, dist, progress, t0, warmed)
     clock.done("train")
     report.update(_trained(result, cfg))
@@ -429,8 +431,9 @@ class _WarmBench:
     warmed up, its timed runs' seconds returned as what training must leave. A suite that cannot be read
     leaves it unbuilt, with the reason."""
 
-    def __init__(self, recipe: Recipe, tgt, progress: bool):
+    def __init__(self, recipe: Recipe, tgt, progress: bool, deadline: float | None = None):
         self.recipe, self.tgt, self.progress = recipe, tgt, progress
+        self.deadline = deadline  # when training and the bench must be done (perf_counter), under a budget
         self.bench = self.skipped = None
         self.estimate_s = 0.0
 
@@ -445,6 +448,13 @@ class _WarmBench:
                 self.skipped = str(e)
                 return 0.0
         self.estimate_s = self.bench.estimate_s()
+        left = self.deadline - time.perf_counter() if self.deadline is not None else None
+        if left is not None and self.estimate_s > left / 2:  # a slow device: the draft is what the budget is for
+            self.skipped = (f"its timed runs, estimated at {self.estimate_s:.0f} s, would take more than half of the "
+                            f"{max(left, 0):.0f} s the budget leaves for training and the bench; a larger --budget-s "
+                            "keeps it")
+            self.bench, self.estimate_s = None, 0.0
+            return 0.0
         if self.progress:
             print(f"eaglewire recipe {self.recipe.name}: held-out bench warmed up in {time.perf_counter() - t0:.1f} "
                   f"s; its timed runs, estimated at {self.estimate_s:.1f} s, are kept back from training",
