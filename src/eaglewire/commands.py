@@ -58,7 +58,8 @@ def cmd_taps(args) -> int:
     w = max(len(r["convention"]) for r in rows)
     for r in rows:
         ids = str(r["ids"]) if r["ids"] is not None else "UNSUPPORTED"
-        when = f" (SGLang {r['sglang_releases']})" if r.get("sglang_releases", "every release") != "every release" else ""
+        releases = r.get("sglang_releases", "every release")
+        when = f" (SGLang {releases})" if releases != "every release" else ""
         print(f"{r['convention']:<{w}}  {ids:<16} {r['where']}{when}")
         if r["unsupported"]:
             print(f"{'':<{w}}  {r['unsupported']}")

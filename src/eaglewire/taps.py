@@ -200,8 +200,9 @@ _SGLANG_DEEPSEEK_WHY = ("SGLang's deepseek_v2 captures the residual stream as a 
 
 # SGLang 0.5.17's glm4_moe_lite reads the ids by deepseek_v2's first-id heuristic (glm4_moe_lite.py:1013-1028) but
 # captures as llama does (:814, :838-840): residual is None at layer 0, so id 0 crashes, and ids [1, ...] mean [2, ...].
-_SGLANG_GLM_LITE_WHY = ("SGLang's glm4_moe_lite captures `hidden_states + residual` as a layer starts (residual is None "
-                        "at layer 0, a crash) and reads ids [1, ...] as taps [2, ...]: taps 0 and 1 cannot be written")
+_SGLANG_GLM_LITE_WHY = ("SGLang's glm4_moe_lite captures `hidden_states + residual` as a layer starts (residual is "
+                        "None at layer 0, a crash) and reads ids [1, ...] as taps [2, ...]: taps 0 and 1 cannot be "
+                        "written")
 
 # SGLang 0.5.17's gpt_oss captures boundaries (gpt_oss.py:723-741): boundary i + 1 after layer i, so the last layer's
 # output is boundary N. Its setter (:1328-1343) keeps the ids as they are when their largest is N, else adds 1.

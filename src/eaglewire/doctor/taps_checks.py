@@ -109,8 +109,9 @@ def _missing(ctx: Context, truth, remedy: Remedy | None) -> list[Finding]:
         remedy = Remedy(commands=(probe_command(ctx),))
     if ignored is not None:
         where, ids = ignored
-        return [finding("TAPS_WRONG_PLACE", sev, f"layer ids {ids} are under {where}, {_never_reads(ctx, where, ids, truth)} "
-                        f"(it reads {key}): {fallback}", "put them where the engine reads them", remedy)]
+        unread = _never_reads(ctx, where, ids, truth)
+        return [finding("TAPS_WRONG_PLACE", sev, f"layer ids {ids} are under {where}, {unread} (it reads {key}): "
+                        f"{fallback}", "put them where the engine reads them", remedy)]
     fix = "write the ids explicitly" if truth is not None else "measure which taps it reads"
     return [finding("TAPS_MISSING", sev, f"no {key} in config.json{quirk}: {fallback}", fix, remedy)]
 
@@ -122,7 +123,8 @@ def _stated_elsewhere(ctx: Context, where: str, ids: list[int], default, fallbac
     readings = stated_taps(ctx, where, ids)
     said = " or ".join(f"taps {list(t)} as {who} reads them" for who, t in readings) or "no taps this target has"
     agree = default is not None and any(tuple(t) == tuple(default) for _, t in readings)
-    msg = f"layer ids {ids} are under {where}, {_never_reads(ctx, where, ids, None)} (it reads {key}); they state {said}"
+    unread = _never_reads(ctx, where, ids, None)
+    msg = f"layer ids {ids} are under {where}, {unread} (it reads {key}); they state {said}"
     one = {tuple(t) for _, t in readings}
     remedy = taps_remedy(ctx, next(iter(one))) if len(one) == 1 else None
     if agree:

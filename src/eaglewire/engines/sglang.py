@@ -361,8 +361,9 @@ class Serving:
         """The faults of the seed incident in SGLang's words: every nested id +1 and -1 of the ids eaglewire's
         export writes, the nested key misspelled, which SGLang's bare except turns into its default taps
         [2, N//2, N-3] WITHOUT the +1 (models/llama.py:889-892), and, where the family's SGLang captures the
-        embedding (DeepSeek's id 0, the MoE families' id -1: eaglewire.taps), the embedding in place of the first tap. Each: label, the ids written (None: not
-        read), the taps SGLang will capture (computed by its rules, eaglewire.taps) and the config edit."""
+        embedding (DeepSeek's id 0, the MoE families' id -1: eaglewire.taps), the embedding in place of the first
+        tap. Each: label, the ids written (None: not read), the taps SGLang will capture (computed by its rules,
+        eaglewire.taps) and the config edit."""
         from ..errors import TapError
         from ..interop.common import IDS_KEY
         from ..interop.sglang import choose_ids, convention_for

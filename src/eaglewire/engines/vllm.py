@@ -281,8 +281,9 @@ class Serving:
     @staticmethod
     def wirings(taps: tuple[int, ...], num_layers: int, model_type: str | None) -> list[dict]:
         """The doctor's main alternatives in vLLM's ids: every tap -1 and +1, and id 0 for the first tap (the
-        embedding on paper, the last layer's output in vLLM 0.26.0 eager, undefined compiled: taps._VLLM_ID0; what a
-        checkpoint asking for the embedding really gets). Each: label, ids, the taps vLLM will capture (None: not a tap) and the config edit."""
+        embedding on paper; in vLLM 0.26.0 the last layer's output eager and undefined compiled, taps._VLLM_ID0: what
+        a checkpoint asking for the embedding really gets). Each: label, ids, the taps vLLM will capture (None: not a
+        tap) and the config edit."""
         from ..doctor.probe import candidates
         from ..interop.common import IDS_KEY
         from ..taps import CONVENTIONS

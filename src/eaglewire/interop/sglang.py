@@ -187,8 +187,8 @@ def choose_ids(contract: TapContract, model_type: str | None, version: str | Non
     for since, e in others:
         try:
             alt = CONVENTIONS[e].to_ids(contract.taps, contract.num_layers)
-            note += f"; SGLang {sglang_releases([(since, e)], eras)} needs {alt} ({CONVENTIONS[e].meaning}): export again " \
-                    "with --engine-version"
+            note += (f"; SGLang {sglang_releases([(since, e)], eras)} needs {alt} ({CONVENTIONS[e].meaning}): "
+                     "export again with --engine-version")
         except TapError:
             note += f"; SGLang {sglang_releases([(since, e)], eras)} cannot be given taps {list(contract.taps)}"
     return ids, conv, [note]
