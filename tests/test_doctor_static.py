@@ -399,7 +399,7 @@ def test_unreadable_foreign_directory(tmp_path):
 ])
 def test_sglang_target_classes_that_cannot_feed_the_draft_are_named(tmp_path, architecture, says):
     """SGLang 0.5.17 srt/models/: the setter it calls on every EAGLE-3 target exists for some classes only
-    (benchmarks/sglang_targets.py lists them), and some of those capture something else than the stream."""
+    (benchmarks/eagle3_targets.py lists them), and some of those capture something else than the stream."""
     target = {**LLAMA, "architecture": architecture}
     ck = tmp_path / "ck"
     save_tiny(ck, target=target)
@@ -410,6 +410,20 @@ def test_sglang_target_classes_that_cannot_feed_the_draft_are_named(tmp_path, ar
     assert f.severity == "warning" and says in f.message and "0.5.17" in f.message
     plain = export(tmp_path, "sglang")  # LlamaForCausalLM: llama.py has the setter and captures the stream
     assert "TAPS_UNSUPPORTED" not in diagnose(DoctorRequest(plain, engine="sglang")).codes()
+
+
+@pytest.mark.parametrize("architecture,refused", [("MixtralForCausalLM", True), ("Qwen2MoeForCausalLM", True),
+                                                  ("Qwen3MoeForCausalLM", False), ("SmolLM3ForCausalLM", False)])
+def test_vllm_target_classes_without_eagle3_are_named(tmp_path, architecture, refused):
+    """vLLM 0.26.0 refuses an EAGLE-3 draft on a registered class that is not SupportsEagle3
+    (v1/worker/gpu_model_runner.py:5428-5432): mixtral.py:376, qwen2_moe.py:420. qwen3_moe.py's is; SmolLM3 runs on
+    the Transformers backend (registry.py:661), which is too."""
+    save_tiny(tmp_path / "ck", target={**LLAMA, "architecture": architecture})
+    notes = interop.export_draft(tmp_path / "ck", "vllm", tmp_path / "vl").notes
+    assert any("without EAGLE-3" in n for n in notes) == refused
+    found = [f for f in diagnose(DoctorRequest(tmp_path / "vl", engine="vllm")).findings
+             if f.code == "TAPS_UNSUPPORTED" and "without EAGLE-3" in f.message]
+    assert bool(found) == refused and all(f.severity == "warning" for f in found)
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])

@@ -23,8 +23,8 @@ CODES: dict[str, str] = {
     "TAPS_MISSING": "no layer ids where the engine reads them: it silently falls back to its default taps",
     "TAPS_WRONG_PLACE": "layer ids present, but under a key the engine ignores",
     "TAPS_SHIFTED": "the engine will capture other taps than the draft was trained on",
-    "TAPS_UNSUPPORTED": "taps (or a tap count) the engine cannot capture at that version; a warning where SGLang "
-                        "0.5.17 cannot feed this target's class a draft at all",
+    "TAPS_UNSUPPORTED": "taps (or a tap count) the engine cannot capture at that version; a warning where the "
+                        "engine (SGLang 0.5.17, vLLM 0.26.0) cannot feed this target's class a draft at all",
     "TAPS_OUT_OF_RANGE": "layer ids beyond the target's layers",
     "TAPS_UNVERIFIED": "no recorded tap contract: the draft's taps are inferred from its ids, or unknown (the "
                        "probe decides)",

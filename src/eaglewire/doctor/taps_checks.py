@@ -23,11 +23,12 @@ def check_taps(ctx: Context) -> list[Finding]:
         out.append(finding("TAPS_UNVERIFIED", "warning", f"no tap record from eaglewire: {what}",
                            f"measure which taps it reads (`{' '.join(probe_command(ctx))}`), or import the draft "
                            "with the --source it really came from"))
-    fault = interop.sglang.target_fault(ctx.target.architecture) if ctx.engine == "sglang" and ctx.target else None
+    faults = {"sglang": interop.sglang.target_fault, "vllm": interop.vllm.target_fault}
+    fault = faults[ctx.engine](ctx.target.architecture) if ctx.engine in faults and ctx.target else None
     if fault:
-        out.append(finding("TAPS_UNSUPPORTED", "warning", f"{fault} (read from SGLang 0.5.17's source)",
+        out.append(finding("TAPS_UNSUPPORTED", "warning", f"{fault} (read from its source)",
                            "serve it with an engine release that captures this target's residual stream; "
-                           "`eaglewire serve-check --engine sglang` measures what this one does"))
+                           f"`eaglewire serve-check --engine {ctx.engine}` measures what this one does"))
     if s.contract is not None and N is not None and s.contract.num_layers != N:
         return out  # TARGET_MISMATCH says it; every tap comparison would be noise
     if v is None or not v.recognised:

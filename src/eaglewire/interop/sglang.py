@@ -52,8 +52,8 @@ NORM_BEFORE_FC_SINCE = (0, 5, 17)
 REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")  # SpecForge export/to_sglang.py
 
 # The target classes SGLang 0.5.17 can run an EAGLE-3 draft on: srt/models/*.py EntryClass with
-# set_eagle3_layers_to_capture, its own or inherited (`python benchmarks/sglang_targets.py SITE` lists them). SGLang
-# loads the class registered under the target's architectures, an unknown one as TransformersForCausalLM
+# set_eagle3_layers_to_capture, its own or inherited (`python benchmarks/eagle3_targets.py sglang SITE` lists them).
+# SGLang loads the class registered under the target's architectures, an unknown one as TransformersForCausalLM
 # (models/registry.py:61-91), and calls the setter on any EAGLE-3 target
 # (model_executor/model_runner_components/attention_backend_setup.py:54): any other class stops it at start-up.
 EAGLE3_TARGETS = frozenset({

@@ -33,10 +33,73 @@ SPECULATORS = "speculators"
 SPEC_ARCH = "Eagle3Speculator"
 PLAIN_ARCHS = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")  # vLLM's model registry names
 VLLM_FC_TAPS = 3  # fc's width in taps where the config says nothing else (_fc_taps)
+# The target architectures vLLM 0.26.0 registers (model_executor/models/registry.py's text-generation and multimodal
+# tables) whose class is not SupportsEagle3: vLLM refuses an EAGLE-3 draft on them at start-up ("Model does not support
+# EAGLE3 interface", v1/worker/gpu_model_runner.py:5428-5432). An unregistered architecture runs on vLLM's
+# Transformers backend, which supports EAGLE-3. `python benchmarks/eagle3_targets.py vllm SITE` lists them.
+NO_EAGLE3 = frozenset({
+    "AXK1ForCausalLM", "ArcticForCausalLM", "AriaForConditionalGeneration",
+    "AudioFlamingo3ForConditionalGeneration", "BagelForConditionalGeneration", "BailingMoeForCausalLM",
+    "BailingMoeV2ForCausalLM", "BailingMoeV2_5ForCausalLM", "BeeForConditionalGeneration",
+    "Blip2ForConditionalGeneration", "BloomForCausalLM", "ChameleonForConditionalGeneration",
+    "ChatGLMForConditionalGeneration", "ChatGLMModel", "Cheers", "CheersForConditionalGeneration",
+    "Cohere2ForCausalLM", "Cohere2MoeForCausalLM", "Cohere2VisionForConditionalGeneration",
+    "CohereAsrForConditionalGeneration", "CohereForCausalLM", "Cosmos3EdgeForConditionalGeneration",
+    "DbrxForCausalLM", "DeciLMForCausalLM", "DeepseekOCR2ForCausalLM", "DeepseekOCRForCausalLM",
+    "DeepseekVLV2ForCausalLM", "DiffusionGemmaForBlockDiffusion", "DotsOCRForCausalLM",
+    "Eagle2_5_VLForConditionalGeneration", "Ernie4_5_MoeForCausalLM", "Ernie4_5_VLMoeForConditionalGeneration",
+    "Exaone4ForCausalLM", "ExaoneForCausalLM", "ExaoneMoEForCausalLM", "FalconForCausalLM", "FalconH1ForCausalLM",
+    "FalconMambaForCausalLM", "FireRedASR2ForConditionalGeneration", "FireRedLIDForConditionalGeneration",
+    "FlexOlmoForCausalLM", "FunASRForConditionalGeneration", "FunAudioChatForConditionalGeneration",
+    "GLM4VForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM", "GPTNeoXForCausalLM", "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma3nForCausalLM", "Gemma3nForConditionalGeneration",
+    "GemmaForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+    "Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration", "GlmAsrForConditionalGeneration",
+    "GlmOcrForConditionalGeneration", "Granite4VisionForConditionalGeneration", "GraniteForCausalLM",
+    "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteMoeSharedForCausalLM",
+    "GraniteSpeechForConditionalGeneration", "GraniteSpeechPlusForConditionalGeneration", "H2OVLChatModel",
+    "HCXVisionForCausalLM", "HCXVisionV2ForCausalLM", "HYV3ForCausalLM", "HfMoondream", "HrmTextForCausalLM",
+    "HyperCLOVAXForCausalLM", "IQuestLoopCoderForCausalLM", "Idefics3ForConditionalGeneration",
+    "InklingForCausalLM", "InklingForConditionalGeneration", "InternLM2ForCausalLM",
+    "InternS1ForConditionalGeneration", "InternVLChatModel", "InternVLForConditionalGeneration",
+    "IsaacForConditionalGeneration", "Jais2ForCausalLM", "JambaForCausalLM", "KananaVForConditionalGeneration",
+    "KeyeForConditionalGeneration", "KeyeVL1_5ForConditionalGeneration", "KimiLinearForCausalLM",
+    "KimiVLForConditionalGeneration", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm2VlForConditionalGeneration",
+    "Llama_Nemotron_Nano_VL", "LlavaNextForConditionalGeneration", "LlavaNextVideoForConditionalGeneration",
+    "LlavaOnevision2ForConditionalGeneration", "LlavaOnevisionForConditionalGeneration", "LongcatFlashForCausalLM",
+    "LongcatFlashNgramForCausalLM", "MPTForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM", "MiDashengLMModel",
+    "MiMoV2OmniForCausalLM", "MiniCPMO", "MiniCPMV", "MiniCPMV4_6ForConditionalGeneration", "MixtralForCausalLM",
+    "Molmo2ForConditionalGeneration", "MolmoForCausalLM", "Moondream3ForCausalLM", "MoonshotKimiaForCausalLM",
+    "MossAudioModel", "MossTranscribeDiarizeForConditionalGeneration", "MptForCausalLM", "NVLM_D",
+    "NemotronForCausalLM", "NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Nano_VL_V2",
+    "NemotronH_Super_Omni_Reasoning_V3", "NemotronParseForConditionalGeneration", "OPTForCausalLM",
+    "Olmo3ForCausalLM", "OlmoHybridForCausalLM", "OlmoeForCausalLM", "OpenPanguVLForConditionalGeneration",
+    "OpenVLAForActionPrediction", "OrionForCausalLM", "OuroForCausalLM", "Ovis", "Ovis2_5", "Ovis2_6ForCausalLM",
+    "Ovis2_6_MoeForCausalLM", "PaddleOCRVLForConditionalGeneration", "PaliGemmaForConditionalGeneration",
+    "PanguEmbeddedForCausalLM", "PanguProMoEV2ForCausalLM", "PanguUltraMoEForCausalLM", "Param2MoEForCausalLM",
+    "Phi3VForCausalLM", "Phi4ForCausalLMV", "Phi4MMForCausalLM", "PhiForCausalLM", "PhiMoEForCausalLM",
+    "Plamo2ForCausalLM", "Plamo3ForCausalLM", "QianfanOCRForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration", "Qwen2MoeForCausalLM", "Qwen2VLForConditionalGeneration",
+    "Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel", "Qwen3ASRForConditionalGeneration",
+    "Qwen3ASRRealtimeGeneration", "Qwen3OmniMoeForConditionalGeneration", "RForConditionalGeneration",
+    "RWForCausalLM", "Rnj1ForCausalLM", "SarvamMLAForCausalLM", "SarvamMoEForCausalLM", "SeedOssForCausalLM",
+    "SkyworkR1VChatModel", "SmolVLMForConditionalGeneration", "SolarForCausalLM", "StableLMEpochForCausalLM",
+    "StableLmForCausalLM", "Step3TextForCausalLM", "Step3VLForConditionalGeneration", "Step3p5ForCausalLM",
+    "Step3p7ForConditionalGeneration", "StepVLForConditionalGeneration", "UltravoxModel", "UnlimitedOCRForCausalLM",
+    "VoxtralForConditionalGeneration", "VoxtralRealtimeGeneration", "WhisperForConditionalGeneration",
+    "Zamba2ForCausalLM"})
 # speculators.models.eagle3 config defaults vs vLLM's update_eagle3 defaults for absent flags.
 SPECULATORS_DEFAULTS = dict.fromkeys(NORM_FLAGS, False)
 VLLM_SPECULATORS_DEFAULTS = {**SPECULATORS_DEFAULTS, "norm_before_residual": True}
 CARRIED = "speculators-config"  # Reading.carried["format"] of a speculators-format import
+
+
+def target_fault(architecture: str | None) -> str | None:
+    """Why vLLM 0.26.0 cannot serve an EAGLE-3 draft for a target of this architecture, or None."""
+    if architecture in NO_EAGLE3:
+        return (f"vLLM 0.26.0 runs {architecture} without EAGLE-3 (its class is not SupportsEagle3): it refuses the "
+                "draft at start-up (v1/worker/gpu_model_runner.py:5428-5432)")
+    return None
 
 
 def is_speculators(cfg: dict) -> bool:
@@ -59,6 +122,9 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, fmt: str, nu
         ids = CONVENTIONS["vllm"].to_ids(contract.taps, contract.num_layers)
     except TapError as e:
         raise UsageError(f"vLLM cannot capture these taps: {e}") from None
+    fault = target_fault(target.get("architecture"))
+    if fault:
+        notes.append(f"{fault} (read from its source; other releases not read)")
     if contract.num_layers in contract.taps:
         notes.append("taps include the last layer's output: vLLM captures it only from PR #36063 on "
                      "(EagleModelMixin), DeepSeek-family targets from PR #46973 on")
