@@ -23,12 +23,7 @@ def check_taps(ctx: Context) -> list[Finding]:
         out.append(finding("TAPS_UNVERIFIED", "warning", f"no tap record from eaglewire: {what}",
                            f"measure which taps it reads (`{' '.join(probe_command(ctx))}`), or import the draft "
                            "with the --source it really came from"))
-    faults = {"sglang": interop.sglang.target_fault, "vllm": interop.vllm.target_fault}
-    fault = faults[ctx.engine](ctx.target.architecture) if ctx.engine in faults and ctx.target else None
-    if fault:
-        out.append(finding("TAPS_UNSUPPORTED", "warning", f"{fault} (read from its source)",
-                           "serve it with an engine release that captures this target's residual stream; "
-                           f"`eaglewire serve-check --engine {ctx.engine}` measures what this one does"))
+    out += _target_class(ctx)
     if s.contract is not None and N is not None and s.contract.num_layers != N:
         return out  # TARGET_MISMATCH says it; every tap comparison would be noise
     if v is None or not v.recognised:
@@ -74,6 +69,17 @@ def check_taps(ctx: Context) -> list[Finding]:
                            f"trained on taps {list(truth)} ({s.contract_from})",
                            f"write the trained taps in {name}'s convention", remedy))
     return out
+
+
+def _target_class(ctx: Context) -> list[Finding]:
+    """A target class the engine cannot feed an EAGLE-3 draft at all (interop.<engine>.target_fault)."""
+    faults = {"sglang": interop.sglang.target_fault, "vllm": interop.vllm.target_fault}
+    fault = faults[ctx.engine](ctx.target.architecture) if ctx.engine in faults and ctx.target else None
+    if not fault:
+        return []
+    return [finding("TAPS_UNSUPPORTED", "warning", f"{fault} (read from its source)",
+                    "serve it with an engine release that captures this target's residual stream; "
+                    f"`eaglewire serve-check --engine {ctx.engine}` measures what this one does")]
 
 
 def _unsupported(ctx: Context, truth, why: str) -> Finding:
