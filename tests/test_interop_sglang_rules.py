@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 from eaglewire import interop
 from eaglewire.errors import UsageError
 from eaglewire.interop import sglang
+from eaglewire.taps import SGLANG_HEURISTIC_SINCE
 
 from interop_tiny import DEEPSEEK, save_tiny
 
@@ -223,7 +224,7 @@ def test_engine_view_is_plain_data(tmp_path):
 
 def test_versions_parse():
     assert sglang.parse_version("0.5.12.post1") > sglang.parse_version("0.5.12")
-    assert sglang.parse_version("v0.5.13") >= sglang.HEURISTIC_SINCE > sglang.parse_version("0.5.12.post1")
+    assert sglang.parse_version("v0.5.13") >= SGLANG_HEURISTIC_SINCE > sglang.parse_version("0.5.12.post1")
     with pytest.raises(Exception, match="engine-version"):
         sglang.parse_version("new")
 

@@ -150,6 +150,8 @@ class DraftConfig:
         if unknown:
             raise UsageError(f"draft config: unknown override(s) {unknown}; known fields are {sorted(fields)}")
         theta, scaling = _target_rope(cfg)
+        if unsupported_rope(target_config):
+            scaling = None  # a new draft is trained and served with its own RoPE
         kw = dict(hidden_size=cfg.hidden_size, target_hidden_size=cfg.hidden_size,
                   # GPT-2 names it n_inner, and None there means 4 x hidden
                   intermediate_size=getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)

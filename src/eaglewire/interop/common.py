@@ -57,6 +57,13 @@ class DraftDir:
         return ids
 
 
+def int_field(cfg: dict, key: str) -> int | None:
+    """An integer field as the engines read it; another type is the doctor's CONFIG_TYPE finding, not a crash in a
+    reader."""
+    v = cfg.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def read_dir(path) -> DraftDir:
     """config.json plus weights (model.safetensors, sharded safetensors, or pytorch_model.bin)."""
     root = Path(path)

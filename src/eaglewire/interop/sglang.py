@@ -35,11 +35,10 @@ import torch
 
 from ..draft import DraftConfig, Eagle3Draft
 from ..errors import TapError, UsageError
-from ..taps import (CONVENTIONS, SGLANG_HEURISTIC_SINCE, TapContract, sglang_convention, sglang_default_taps,
-                    sglang_eras, sglang_releases)
+from ..taps import CONVENTIONS, TapContract, sglang_convention, sglang_default_taps, sglang_eras, sglang_releases
 from .common import (AS_WRITTEN_KEYS, IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, as_written,
-                     check_flag_values, complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes,
-                     window_from_hf)
+                     check_flag_values, complete_vocab, draft_fields_from_hf, hf_fields, int_field, provenance,
+                     vocab_sizes, window_from_hf)
 from .engine_view import EngineView, FlagView
 
 NAME = "sglang"
@@ -47,7 +46,6 @@ ARCH = "LlamaForCausalLMEagle3"
 LATEST = "0.5.23"  # the newest release whose source these rules were checked against
 # First releases with each behaviour (checked in the published wheels).
 LAYERS_RENAME_SINCE = (0, 5, 12)  # layers.0 naming, fc width from the ids, fc_norm, norm_output, >1 layer
-HEURISTIC_SINCE = SGLANG_HEURISTIC_SINCE  # deepseek_v2 first-id heuristic, PR #25454
 NORM_BEFORE_FC_SINCE = (0, 5, 17)
 REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")  # SpecForge export/to_sglang.py
 
@@ -169,17 +167,19 @@ def choose_ids(contract: TapContract, model_type: str | None, version: str | Non
         except TapError:
             return False
 
-    candidates = [ids]
+    candidates = [ids]  # the release's own form first, then each other rule's
     for _, era_conv in eras:
         try:
-            candidates.append(CONVENTIONS[era_conv].to_ids(contract.taps, contract.num_layers))
+            if era_conv != conv:
+                candidates.append(CONVENTIONS[era_conv].to_ids(contract.taps, contract.num_layers))
         except TapError:
             pass
     everywhere = next((c for c in candidates if all(reads(e, c) for _, e in eras)), None)
     if everywhere is not None:
         if everywhere != ids:  # the release's own form reads otherwise elsewhere: this one works on each
-            return everywhere, conv, [f"ids {everywhere} mean taps {list(contract.taps)} to SGLang "
-                                      f"{sglang_releases(eras)} alike: this export works on every SGLang version"]
+            return everywhere, conv, [f"ids {everywhere} mean taps {list(contract.taps)} under each of SGLang's rules "
+                                      f"for {model_type} ({sglang_releases(eras)}): this export works on every "
+                                      "SGLang version"]
         return ids, conv, []
     right = [e for e in eras if reads(e[1], ids)]
     others = [(since, e) for since, e in eras if (since, e) not in right]
@@ -240,15 +240,9 @@ def export(model: Eagle3Draft, contract: TapContract, target: dict, engine_versi
 
 # --- what SGLang reads ----------------------------------------------------------------------------
 
-def _count(cfg: dict, key: str) -> int | None:
-    """An integer field as SGLang reads it; another type is the doctor's CONFIG_TYPE finding, not a crash here."""
-    v = cfg.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
 def _params(cfg: dict, num_aux: int, version: tuple) -> set[str]:
     """The parameter names (without the `model.` prefix) SGLang's LlamaForCausalLMEagle3 builds."""
-    n = _count(cfg, "num_hidden_layers") or 1
+    n = int_field(cfg, "num_hidden_layers") or 1
     layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
              "post_attention_layernorm.weight", "hidden_norm.weight"]
@@ -318,7 +312,7 @@ def engine_view(dd: DraftDir, version: str | None, model_type: str | None, num_l
     # llama_eagle3.py:148-153 (0.5.12 on): num_aux_hidden_states if set, else the nested ids' count, else 3
     num_aux = 3
     if v >= LAYERS_RENAME_SINCE:
-        num_aux = _count(cfg, "num_aux_hidden_states") or (len(ids) if ids else 3)
+        num_aux = int_field(cfg, "num_aux_hidden_states") or (len(ids) if ids else 3)
     params = _params(cfg, num_aux, v)
     kept, dropped = {}, []
     for name in sorted(dd.names):

@@ -24,8 +24,8 @@ from ..draft import DraftConfig, Eagle3Draft
 from ..errors import TapError, UsageError
 from ..taps import CONVENTIONS, TapContract, default_taps
 from .common import (AS_WRITTEN_KEYS, IDS_KEY, NORM_FLAGS, PROVENANCE_KEY, DraftDir, Reading, as_written,
-                     check_flag_values, complete_vocab, draft_fields_from_hf, hf_fields, provenance, vocab_sizes,
-                     window_from_hf)
+                     check_flag_values, complete_vocab, draft_fields_from_hf, hf_fields, int_field, provenance,
+                     vocab_sizes, window_from_hf)
 from .engine_view import EngineView, FlagView
 
 NAME = "vllm"
@@ -184,24 +184,17 @@ def _fc_taps(cfg: dict, layer: dict) -> int:
     whole. Llama layers (llama_eagle3.py:176-182): num_aux_hidden_states, else the nested ids' count, else 3. Qwen3
     layers (qwen3_eagle3.py:200-207): num_aux_layers, num_aux_hidden_states, else the top-level or nested ids'
     count, else 3."""
-    ids = cfg.get(IDS_KEY) if is_speculators(cfg) else layer.get(IDS_KEY)
     nested = (layer.get("eagle_config") or {}).get(IDS_KEY) if isinstance(layer.get("eagle_config"), dict) else None
     if is_speculators(cfg) and layer.get("model_type") == "qwen3":
-        n = _count(layer, "num_aux_layers") or _count(layer, "num_aux_hidden_states")
-        listed = ids or nested
+        n = int_field(layer, "num_aux_layers") or int_field(layer, "num_aux_hidden_states")
+        listed = cfg.get(IDS_KEY) or nested  # the top-level ids, which a plain config's layer is
     else:
-        n, listed = _count(layer, "num_aux_hidden_states"), nested
+        n, listed = int_field(layer, "num_aux_hidden_states"), nested
     return n or (len(listed) if isinstance(listed, list) and listed else VLLM_FC_TAPS)
 
 
-def _count(cfg: dict, key: str) -> int | None:
-    """An integer field as vLLM reads it; another type is the doctor's CONFIG_TYPE finding, not a crash here."""
-    v = cfg.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
 def _params(layer: dict, flags: dict, num_aux: int) -> set[str]:
-    n = _count(layer, "num_hidden_layers") or 1
+    n = int_field(layer, "num_hidden_layers") or 1
     per = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight",
            "input_layernorm.weight"]

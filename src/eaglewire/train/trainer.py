@@ -193,8 +193,7 @@ def _new_draft(cfg: TrainConfig, target, stack, corpus: train_data.Corpus, train
     d2t, t2d = select_draft_vocab(dict(freqs), size, always=always, vocab_size=V)
     over = {"num_layers": cfg.draft_layers or 1, **(cfg.draft_overrides or {})}
     kind = unsupported_rope(target.model.config)
-    if kind and "rope_scaling" not in over:
-        over["rope_scaling"] = None
+    if kind and "rope_scaling" not in over:  # DraftConfig.for_target leaves it out
         print(f"eaglewire train: the draft uses plain RoPE: the target's {kind} scaling is not one it implements, and "
               "a draft is served with its own (its exports say rope_scaling null)", file=sys.stderr)
     over.setdefault("max_position_embeddings", max(getattr(tc, "max_position_embeddings", 0) or 0,
