@@ -508,7 +508,7 @@ def _report(report: dict, stages: dict, t0: float, dist: Dist, out: Path) -> dic
     r = report["regenerated"]
     print(f"regenerated {r['replies']} replies in {r['conversations']} conversations, {r['reply_tokens']} tokens at "
           f"{(r['tokens_per_s'] or 0):.0f} tok/s; stages (s): {stages}; total {report['total_s']} s")
-    if over and over >= 1:  # training stops in time; the final evaluation, save or bench can outrun what was kept
+    if (over or 0) >= 1:  # training stops in time; the final evaluation, save or bench can outrun what was kept
         print(f"note: the recipe ran {report['total_s']:.0f} s, {over:.0f} s ({100 * over / budget:.1f}%) past its "
               f"{budget:.0f} s budget (stages above); give it a larger --budget-s, or --bench-suite none")
     b = report.get("bench")

@@ -186,7 +186,8 @@ def _new_draft(cfg: TrainConfig, target, stack, corpus: train_data.Corpus, train
     V = tc.vocab_size
     size = min(cfg.draft_vocab_size or 32000, V)
     if cfg.draft_vocab_size and cfg.draft_vocab_size > V:
-        print(f"eaglewire train: the draft vocabulary is the target's whole {V} tokens ({cfg.draft_vocab_size} asked)")
+        print(f"eaglewire train: the draft vocabulary is the target's whole {V} tokens ({cfg.draft_vocab_size} asked)",
+              file=sys.stderr)
     always = targets.eos_ids(target)  # the draft must be able to end a reply
     # A draft trained on part of the data must not choose its vocabulary from the rest
     freqs = corpus.token_freqs if cfg.max_train_samples is None else corpus.token_freqs_of(train_idx)
