@@ -31,7 +31,7 @@ CODES: dict[str, str] = {
     "FC_SHAPE": "fc input width is not len(taps) x target hidden size (or not what the engine builds)",
     "FC_BYPASS": "engine settings that skip the fc fusion of an EAGLE-3 draft",
     "WEIGHTS_DROPPED": "weights the engine silently drops, or required weights missing",
-    "WEIGHTS_NONFINITE": "weights holding NaN or infinity: the draft's every proposal is noise",
+    "WEIGHTS_NONFINITE": "weights holding NaN or infinity, which spread through every computation that reads them",
     "D2T_INVALID": "d2t is not a valid offset table (absolute ids, out of range, duplicates, disagrees with t2d)",
     "LM_HEAD_REPLACED": "the engine replaces the draft's lm_head, or its size disagrees with the draft vocabulary",
     "EMBED_MISMATCH": "the draft's embedding differs from the target's and the engine will swap it",
