@@ -193,6 +193,18 @@ def test_import_reads_the_trained_taps_tensors_and_logits(run):
         assert torch.allclose(a, b, atol=ATOL, rtol=0), f"TTT step {step}: max |diff| {(a - b).abs().max()}"
 
 
+def test_the_budget_sigint_waits_while_an_epoch_is_saved():
+    """A SIGINT inside an epoch's save ends speculators with exit 1 and no checkpoint (CI, 2026-12-05). The log
+    lines are its own (train/trainer.py:689, 737, 752, 754)."""
+    log = "Training epoch 1/20 started\n[step] loss=3.1\nTraining epoch 1/20 completed\n"
+    assert not ps._saving(log)
+    log += "Saving checkpoint to /runs/x/checkpoints/0\n"
+    assert ps._saving(log)
+    assert not ps._saving(log + "Validation epoch 1/20 started\n")
+    assert not ps._saving(log + "No val loader, skipping validation epoch\n")
+    assert not ps._saving(log + "Training epoch 2/20 started\n")
+
+
 def test_writer_refuses_what_speculators_would_misread(tmp_path):
     target = make_target(tmp_path / "target")
     with pytest.raises(ValueError, match="hidden_size 16"):

@@ -277,7 +277,21 @@ def _steps(log: str) -> dict:
 _LOST = re.compile(r"--- Logging error ---[\s\S]{0,8000}?TrainingInterruptedError")
 LOST_WHY = ("its TrainingInterruptedError was raised inside a log call and swallowed by logging "
             "(graceful_shutdown.py:115)")
+# Inside an epoch's save the same exception can surface as another: pydantic wraps it while config.json is
+# serialised (PydanticSerializationError: ... TrainingInterruptedError: SIGINT, seen in CI on 2026-12-05), the
+# graceful handler (graceful_shutdown.py:140) does not catch that, and the process exits 1 with the epoch half
+# written. So the budget's SIGINT waits until no save is under way (trainer.py:689, 737-756);
+# should one still land there, the row is the last epoch saved within the budget.
+_AFTER_SAVE = re.compile(r"epoch \d+/\d+ started|No val loader")
+BROKEN_WHY = ("its TrainingInterruptedError was raised inside an epoch's save and wrapped by another exception, "
+              "which the graceful handler does not catch (graceful_shutdown.py:140)")
 _VAL = re.compile(r"val/full_acc_(\d+)_epoch=([-+0-9.e]+)")
+
+
+def _saving(log: str) -> bool:
+    """An epoch's checkpoint is being written: the log's last milestone is its "Saving checkpoint" line."""
+    at = log.rfind("Saving checkpoint to ")
+    return at >= 0 and _AFTER_SAVE.search(log, at) is None
 
 
 def _validation(log: str) -> dict | None:
@@ -294,6 +308,20 @@ def _final_epoch(save: Path) -> Path | None:
         return None
     last = save / str(_settings(save / "run.yaml")["epochs"] - 1)
     return last if (last / "model.safetensors").is_file() else None
+
+
+def _interrupt_outside_saves(proc: subprocess.Popen, log_path: Path) -> int | None:
+    """SIGINT the trainer unless it is writing a checkpoint. It is stopped while its log is read, so the log says
+    where it is and it cannot enter a save before the SIGINT: -> the log's length then, or None (try again)."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        text = log_path.read_text(errors="replace")
+        if _saving(text):
+            return None
+        proc.send_signal(signal.SIGINT)
+        return len(text)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
 
 
 def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, python: str, env: dict | None = None,
@@ -344,8 +372,8 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
                 if d.name not in marks and (d / "model.safetensors").is_file():
                     marks[d.name] = (now, len(text))
             if first is not None and sigint is None and now - first >= seconds and _final_epoch(save) is None:
-                proc.send_signal(signal.SIGINT)  # the trainer saves `interrupted/` (graceful_shutdown.py:140-168)
-                sigint, at_sigint = now, len(text)
+                at_sigint = _interrupt_outside_saves(proc, log_path)  # it then saves `interrupted/`
+                sigint = now if at_sigint is not None else None  # (graceful_shutdown.py:140-168)
             if sigint is not None and _LOST.search(text, at_sigint):
                 lost = now  # it trains on: stop it, and keep the last epoch saved within the budget
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -362,17 +390,23 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
     end = time.perf_counter()
     text = log_path.read_text(errors="replace")
     first = first if first is not None else end  # it finished between two polls
-    if lost is not None:
+    broken = (sigint is not None and proc.returncode not in (0, -signal.SIGINT)
+              and "TrainingInterruptedError" in text[at_sigint:]
+              and not (save / "interrupted" / "model.safetensors").is_file())
+    if lost is not None or broken:
+        why = LOST_WHY if lost is not None else BROKEN_WHY
         within = [k for k, (t, _) in marks.items() if t <= sigint]
         if not within:
-            raise RuntimeError(f"speculators lost the SIGINT ({LOST_WHY}) before its first epoch was saved; "
+            raise RuntimeError(f"speculators lost the SIGINT ({why}) before its first epoch was saved; "
                                f"give it more time; {log_path}")
         ckpt = save / max(within, key=int)
         done, upto = marks[ckpt.name]
+        after = (f"the process was killed {lost - sigint:.0f} s after the SIGINT" if lost is not None
+                 else f"the process exited {proc.returncode}")
         return {"checkpoint": ckpt, **_steps(text[:upto]), "train_s": round(done - first, 2),
                 "startup_s": round(first - t0, 2), "save_s": None, "interrupted": False,
-                "interrupt_lost": f"{LOST_WHY}: the row is epoch {int(ckpt.name) + 1}'s checkpoint, the last saved "
-                                  f"within the budget; the process was killed {lost - sigint:.0f} s after the SIGINT",
+                "interrupt_lost": f"{why}: the row is epoch {int(ckpt.name) + 1}'s checkpoint, the last saved "
+                                  f"within the budget; {after}",
                 "own_validation": _validation(text[:upto]), "settings": _resolved(save, ckpt), "command": argv,
                 "log": str(log_path)}
     # The interrupt's save; or, when every epoch ran within the budget, the last epoch's (a SIGINT
