@@ -415,6 +415,10 @@ def test_sglang_wirings_in_its_own_words(world, monkeypatch):
     assert [c.speedups.compile for c in seen[:2]] == [False, False]  # ours (the fake engine's runs follow)
     assert not eager["settings"]["eaglewire_compiled"]
     assert "nested key misspelled" in sc.render(r)
+    # eager tokens/s are launch-bound, not the served speed: the table says so (SGLang at batch 1 on an H200,
+    # 2026-12-05: 74 tok/s eager)
+    assert "tokens/s with the draft (eager)" in sc.render(eager) and "not the served speed" in sc.render(eager)
+    assert "(eager)" not in sc.render(r)
 
 
 def test_sglang_engine_flag_trap_reports_what_sglang_resolved(world, monkeypatch):
