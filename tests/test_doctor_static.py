@@ -110,6 +110,12 @@ def test_taps_missing_sglang_falls_back_to_default_taps(tmp_path):
     f = r.get("TAPS_MISSING")
     assert f.severity == "error" and "bare `except:`" in f.message and "[2, 4, 5]" in f.message
     fix_and_rerun(r, "TAPS_MISSING", out2)
+    # Trained on the default taps, the fallback reads them: a warning. Served in SGLang 0.5.17 (H200, 2026-12-05,
+    # run 42), a misspelled key cost +0.00 of 2.70 with eaglewire's default taps, SGLang's own.
+    out3 = export(tmp_path, "sglang", taps=(2, 4, 5), name="default")
+    edit(out3, lambda c: c["eagle_config"].pop(IDS))
+    f = diagnose(DoctorRequest(out3)).get("TAPS_MISSING")
+    assert f.severity == "warning" and "the trained taps, reached only through its default" in f.message
 
 
 def test_taps_in_the_wrong_place_for_each_engine(tmp_path):

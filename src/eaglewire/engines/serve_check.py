@@ -516,10 +516,12 @@ def plot(r: dict, out) -> Path:
     ax.legend(fontsize=8)
     if r["wirings"]:
         bx = fig.add_subplot(1, 2, 2)
-        rows = [(str(r["draft"]["taps"]), r[r["engine"]]["acceptance_length"])] + \
-            [(f"{w['ids']} {w['label'].split(':')[0].split(' (')[0]}", w["acceptance_length"]) for w in r["wirings"]]
+        # each bar named by what the engine was given and the taps that made it read
+        rows = [(f"the draft's ids: taps {r['draft']['taps']}", r[r["engine"]]["acceptance_length"])] + \
+            [(f"{w['label'].split(':')[0].split(' (')[0]}: taps {w['taps']}", w["acceptance_length"])
+             for w in r["wirings"]]
         bx.barh([a for a, _ in rows][::-1], [b or 0 for _, b in rows][::-1], color="#228833")
-        bx.set(xlabel=f"{E} acceptance length", title="other ids")
+        bx.set(xlabel=f"{E} acceptance length", title="other ids, by the taps read")
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
