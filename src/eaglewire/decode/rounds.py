@@ -106,6 +106,18 @@ class _Rounds:
     def _more_buffers(self, taps: torch.Tensor) -> None:
         """What a kind of round needs besides the common buffers (a greedy one: nothing)."""
 
+    @staticmethod
+    def _keep(feed: dict[str, torch.Tensor], row: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor]:
+        """A round's verdict kept, as every kind keeps it: n accepted, row[:n + 1] committed in the round's row
+        (the accepted tokens and the one after them), the next extend's inputs, the target's position moved on."""
+        feed["committed"].index_copy_(0, feed["round"], row.view(1, -1))
+        feed["accepted"].index_copy_(0, feed["round"], n)
+        feed["round"].add_(1)
+        feed["draft_ids"][0].copy_(row)  # the next extend
+        feed["last"].copy_(n)
+        feed["verify_at"].add_(n + 1)
+        return (n,)
+
     def queue(self, count: int) -> tuple[int, int, torch.cuda.Event | None]:
         """`count` rounds queued without a read-back, and on CUDA their verdicts' copy to pinned memory:
         (first round, count, the copy's event) for `collect`."""
@@ -185,16 +197,9 @@ class ChainRounds(_Rounds):
 
     @staticmethod
     def _commit(feed: dict[str, torch.Tensor], row: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor]:
-        """A chain round's verdict kept: n accepted, row[:n + 1] committed (the accepted tokens and the one
-        after them), and the next extend's inputs and both positions moved on."""
-        feed["committed"].index_copy_(0, feed["round"], row.view(1, -1))
-        feed["accepted"].index_copy_(0, feed["round"], n)
-        feed["round"].add_(1)
-        feed["draft_ids"][0].copy_(row)  # the next extend: the accepted tokens and the one after them
-        feed["last"].copy_(n)
+        """A chain round's verdict kept (`_keep`), the verify's positions moved on with the target's."""
         feed["verify_pos"].add_(n + 1)
-        feed["verify_at"].add_(n + 1)
-        return (n,)
+        return _Rounds._keep(feed, row, n)
 
 
 class SampledChainRounds(ChainRounds):
@@ -321,24 +326,17 @@ class TreeRounds(_Rounds):
     @staticmethod
     def _commit(feed: dict[str, torch.Tensor], n: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor
                 ) -> tuple[torch.Tensor]:
-        """A tree round's verdict kept: n accepted, committed[:n + 1] committed, the next extend's inputs,
-        the kept rows (for the taps' gather) and the move's sources, the target's position moved on. rows:
-        the root's row and each level's (a level past the path its own index, so that the move copies that
-        slot onto itself)."""
+        """A tree round's verdict kept (`_keep`), with the kept rows (for the taps' gather) and the move's sources.
+        rows: the root's row and each level's (a level past the path its own index: the move copies that slot
+        onto itself)."""
         most = rows.shape[0] - 1  # levels a path can reach
-        v_len = feed["verify_at"][:1]
-        row = torch.nn.functional.pad(committed, (0, feed["committed"].shape[1] - most - 1))  # the first n + 1
-        feed["committed"].index_copy_(0, feed["round"], row[None])
-        feed["accepted"].index_copy_(0, feed["round"], n)
-        feed["round"].add_(1)
-        feed["draft_ids"][0, :most + 1].copy_(committed)  # the next extend
+        v_len = feed["verify_at"][:1]  # read before _keep moves it on
         feed["rows"][:most + 1].copy_(rows)
-        feed["last"].copy_(n)
         src = v_len + torch.arange(feed["move_src"].shape[0], device=rows.device)  # slots onto themselves ...
         src[:most + 1] = v_len + rows  # ... but the kept rows', which move down to v_len, v_len + 1, ...
         feed["move_src"].copy_(src)
-        feed["verify_at"].add_(n + 1)
-        return (n,)
+        row = torch.nn.functional.pad(committed, (0, feed["committed"].shape[1] - most - 1))  # the first n + 1
+        return _Rounds._keep(feed, row, n)
 
 
 class SampledTreeRounds(TreeRounds):
