@@ -154,8 +154,13 @@ def test_token_freq_counts_assistant_tokens_as_speculators_does(run):
 def test_train_ran_speculators_own_trainer_and_was_interrupted(run):
     r = run["result"]
     why = {k: r.get(k) for k in ("interrupted", "interrupt_lost", "steps", "train_s", "startup_s", "save_s")}
-    assert r["interrupted"] and r["checkpoint"].name == "interrupted" and r["steps"] >= 1, why
-    assert SECONDS <= r["train_s"] < SECONDS + 5 and r["startup_s"] > 0 and r["tokens"] > 0
+    assert r["steps"] >= 1 and r["startup_s"] > 0 and r["tokens"] > 0, why
+    if r["interrupted"]:
+        assert r["checkpoint"].name == "interrupted" and SECONDS <= r["train_s"] < SECONDS + 5, why
+    else:  # speculators' own race: its interrupt raised inside a log call or a save (graceful_shutdown.py:111-115);
+        # the row is then the last epoch saved within the budget (the fake trainers below pin both paths)
+        assert r["interrupt_lost"].startswith((ps.LOST_WHY, ps.BROKEN_WHY)) and r["checkpoint"].name.isdigit(), why
+        assert 0 < r["train_s"] < SECONDS + 5, why
     assert r["command"][1:4] == ["-m", "speculators", "train"]
     s = r["settings"]
     assert (s["ttt_steps"], s["optimizer"], s["lr"], s["loss_fn"], s["epochs"]) == (3, "muon", 1e-3, "kl_div", 20)
@@ -279,3 +284,67 @@ def test_a_sigint_speculators_loses_is_caught_and_the_row_is_the_epoch_saved_in_
     assert 0 < r["train_s"] <= 1.5 and r["steps"] == 10 * (epoch + 1)
     assert r["own_validation"]["full_acc"] == [pytest.approx(epoch / 1000), 0.1]
     assert r["tokens"] == 20 * r["steps"]
+
+
+FAKE_SAVER = r"""#!{python}
+'''`python -m speculators train` with speculators 0.9.0's log lines around an epoch's save (trainer.py:689,
+737-756): 5 steps of 20 ms, then a 300 ms save. A SIGINT inside the save ends it as pydantic's wrapped exception
+did in CI (exit 1, nothing saved); elsewhere it saves `interrupted/` (graceful_shutdown.py:140-168).
+broken={broken}: every SIGINT ends it as inside a save.'''
+import json, signal, sys, time
+from pathlib import Path
+save = Path(sys.argv[sys.argv.index("--save-path") + 1])
+save.mkdir(parents=True)
+(save / "run.yaml").write_text("train:\n  epochs: 1000\n")
+saving = False
+def write(d):
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({{"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}))
+    (d / "model.safetensors").write_bytes(b"")
+def on_sigint(*_):
+    if saving or {broken}:
+        print("PydanticSerializationError: Error calling function `serialize_transformer_config`: "
+              "TrainingInterruptedError: SIGINT", flush=True)
+        sys.exit(1)
+    write(save / "interrupted")
+    sys.exit(0)
+signal.signal(signal.SIGINT, on_sigint)
+for epoch in range(1000):
+    print(f"Training epoch {{epoch + 1}}/1000 started", flush=True)
+    for step in range(5):
+        print(f"INFO train/loss=1.0, profile/step_ms=20.0, profile/tokens_per_s=1000.0, global_step={{5 * epoch + step}}",
+              flush=True)
+        time.sleep(0.02)
+    print(f"Training epoch {{epoch + 1}}/1000 completed", flush=True)
+    print(f"Saving checkpoint to {{save / str(epoch)}}", flush=True)
+    saving = True
+    time.sleep(0.3)
+    write(save / str(epoch))
+    saving = False
+    print(f"Validation epoch {{epoch + 1}}/1000 started", flush=True)
+"""
+
+
+def _fake(tmp_path, **kw):
+    py = tmp_path / "python"
+    py.write_text(FAKE_SAVER.format(python=sys.executable, **kw))
+    py.chmod(0o755)
+    target = make_target(tmp_path / "target")
+    (tmp_path / "data").mkdir()
+    return ps.train(tmp_path / "data", target, tmp_path / "out", seconds=1.0, python=str(py), device="cpu",
+                    poll_s=0.02)
+
+
+def test_the_budget_sigint_is_held_back_while_an_epoch_is_saved(tmp_path):
+    """Saves take 3/4 of this trainer's time, and a SIGINT inside one kills it with nothing saved: the harness
+    signals only between saves, so it always gets the interrupt's own checkpoint."""
+    r = _fake(tmp_path, broken=False)
+    assert r["interrupted"] and r["checkpoint"].name == "interrupted" and not r.get("interrupt_lost")
+
+
+def test_a_sigint_that_breaks_a_save_keeps_the_last_epoch_saved_in_budget(tmp_path):
+    """Should the interrupt still end the trainer as inside a save (exit 1, TrainingInterruptedError wrapped), the
+    row is the last epoch saved within the budget, with the reason."""
+    r = _fake(tmp_path, broken=True)
+    assert not r["interrupted"] and r["interrupt_lost"].startswith(ps.BROKEN_WHY) and "exited 1" in r["interrupt_lost"]
+    assert r["checkpoint"].name.isdigit() and 0 < r["train_s"] <= 1.5 and r["steps"] == 5 * (int(r["checkpoint"].name) + 1)

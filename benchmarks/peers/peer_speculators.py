@@ -401,9 +401,11 @@ def train(data_dir: Path, target_dir: Path, out_dir: Path, *, seconds: float, py
                                f"give it more time; {log_path}")
         ckpt = save / max(within, key=int)
         done, upto = marks[ckpt.name]
+        saved_at = text.find(f"Saving checkpoint to {ckpt}")  # its steps end there, wherever the poll saw it
+        steps = _steps(text[:saved_at if saved_at >= 0 else upto])
         after = (f"the process was killed {lost - sigint:.0f} s after the SIGINT" if lost is not None
                  else f"the process exited {proc.returncode}")
-        return {"checkpoint": ckpt, **_steps(text[:upto]), "train_s": round(done - first, 2),
+        return {"checkpoint": ckpt, **steps, "train_s": round(done - first, 2),
                 "startup_s": round(first - t0, 2), "save_s": None, "interrupted": False,
                 "interrupt_lost": f"{why}: the row is epoch {int(ckpt.name) + 1}'s checkpoint, the last saved "
                                   f"within the budget; {after}",
