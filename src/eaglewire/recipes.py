@@ -497,7 +497,7 @@ def _held_out_bench(recipe: Recipe, tgt, checkpoint_dir, out: Path, progress: bo
             "acceptance_length": r["acceptance"]["acceptance_length"],
             "acceptance_length_interval": r["acceptance"]["acceptance_length_interval"], "speedup": r["speedups"]["spec/base"],
             "tokens_per_s": r["runs"]["spec"]["tokens_per_s"], "tokens_per_s_without": r["runs"]["base"]["tokens_per_s"],
-            "compiled": recipe.bench_compile and tgt.device.type == "cuda",
+            "compiled": r["settings"]["compile"],
             "warmed_before_training": warmed is not None and warmed.bench is not None, "warmup_s": r["warmup_s"],
             "timed_s_estimate": round(warmed.estimate_s, 1) if warmed is not None else None,
             "timed_s": round(sum(p[f"{k}_wall_s"] for p in r["per_prompt"] for k in ("base", "spec")), 1),
