@@ -77,3 +77,23 @@ def test_trained_exported_for_sglang_and_the_incidents_plus_one_read_by_each_sgl
     (tmp_path / "sg" / "config.json").write_text(json.dumps(cfg))
     r = diagnose(DoctorRequest(tmp_path / "sg", target=tgt, engine="sglang", engine_version="0.5.17"))
     assert r.exit_code == 1 and r.context["engine_taps"] == [3, 5, 6]
+
+
+def test_the_lens_reads_each_tap_through_the_targets_own_norm_and_head(world, tmp_path):
+    """`--lens`: tap j's share is how often lm_head(norm(hidden_states[j])) picks the model's own greedy token. With
+    the last layer's writes zeroed, tap N-1 is the last layer's output, so its share is exactly 1; the embedding's
+    is not (the layers before decide)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(world / "target", dtype=torch.float32)
+    last = model.model.layers[-1]
+    with torch.no_grad():
+        for name, w in last.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):  # what it adds
+                w.zero_()
+        model.model.norm.weight.uniform_(0.2, 2.0)  # so that a lens that skipped the norm would pick otherwise
+    model.save_pretrained(tmp_path / "t")
+    AutoTokenizer.from_pretrained(world / "target").save_pretrained(tmp_path / "t")
+    shares = ds.lens(tmp_path / "t", new_tokens=12)
+    assert len(shares) == MICRO["layers"] + 1 and all(0 <= s <= 1 for s in shares)
+    assert shares[-2] == 1.0 and shares[-1] == 1.0 and shares[0] < 1.0
