@@ -72,25 +72,22 @@ def build(out: Path, tokenizer_dir: Path, *, seed: int = 0, dtype: str = "bfloat
 
 def lens(model_dir: Path, device: str = "cpu", new_tokens: int = 64) -> list[float]:
     """Per tap j (0 = the embedding, N = the last layer's output): the share of the model's greedy reply tokens,
-    over the first 8 built-in probe prompts, where argmax(lm_head(norm(hidden_states[j]))) is the model's own."""
+    over the doctor probe's first 8 built-in prompts, where argmax(lm_head(norm(hidden_states[j]))) is the
+    model's own."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eaglewire.doctor.probe_inputs import builtin_prompts
+    from eaglewire import targets
+    from eaglewire.doctor.probe_inputs import sequences
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    agree, total = None, 0
-    for conv in builtin_prompts()[:8]:
-        ids = tok.apply_chat_template(conv, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        ids = ids["input_ids"].to(device)
+    t = targets.load_target(str(model_dir), dtype=torch.float32, device=device)
+    model, agree, total = t.model, None, 0
+    for ids, mask in sequences(t, 8, new_tokens=new_tokens).seqs:
+        at = mask[1:].nonzero().squeeze(1).to(t.device)  # the positions that chose the reply's tokens
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-            o = model(out, output_hidden_states=True)
-        at = slice(ids.shape[1] - 1, out.shape[1] - 1)  # the positions that chose the reply's tokens
-        final = o.logits[0, at].argmax(-1)
-        hs = o.hidden_states  # transformers: the last is already normed
-        picks = [model.lm_head(model.model.norm(h[0, at])).argmax(-1) for h in hs[:-1]] + [final]
+            o = model(ids[None].to(t.device), output_hidden_states=True)
+            final = o.logits[0, at].argmax(-1)
+            hs = o.hidden_states  # transformers: the last is already normed
+            picks = [model.lm_head(model.model.norm(h[0, at])).argmax(-1) for h in hs[:-1]] + [final]
         hits = torch.stack([(p == final).sum() for p in picks]).double()
         agree = hits if agree is None else agree + hits
         total += final.numel()
