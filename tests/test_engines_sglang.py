@@ -254,6 +254,27 @@ def test_a_failing_worker_is_one_line_naming_the_log(fake_site, tmp_path):
     assert "CUDA out of memory (fake)" in str(e.value) and "\n" not in str(e.value) and "l.log" in str(e.value)
 
 
+def test_a_failing_engine_names_its_first_and_last_exception_not_its_last_line_and_keeps_its_log(fake_site):
+    # as vLLM 0.26.0 failed on an H100 (2026-12-07): the cause, a wrapper, then a shutdown warning as last line
+    (fake_site / "sglang" / "__init__.py").write_text(
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('Warning: destroy_process_group() was not called', file=sys.stderr))\n"
+        "class Engine:\n    def __init__(self, **kw):\n        try:\n            import flashinfer_not_here\n"
+        "        except ImportError as err:\n"
+        "            raise RuntimeError('Engine core initialization failed. See root cause above.') from err\n"
+        "__version__ = '0.5.17'\n")
+    from eaglewire.errors import EaglewireError
+
+    with pytest.raises(EaglewireError) as e:
+        sglang.run_job(job(), where=sglang.Where(sys.executable, (str(fake_site),)))
+    said = str(e.value)
+    assert "ModuleNotFoundError: No module named 'flashinfer_not_here'" in said and "See root cause above" in said
+    assert "destroy_process_group" not in said and "\n" not in said
+    kept = Path(said.rsplit("(its log: ", 1)[1].rstrip(")"))
+    assert "destroy_process_group" in kept.read_text()  # the whole log, kept past the job's temporary folder
+    kept.unlink()
+
+
 def test_the_job_travels_as_json(tmp_path):
     from dataclasses import asdict
 

@@ -60,7 +60,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import EaglewireError, UsageError
+from ..errors import UsageError, engine_exit, kept_log
 
 VERSION = "0.5.17"  # the release whose source these rules were read from, and which served our drafts
 REQUIREMENT = f"sglang=={VERSION}"
@@ -193,9 +193,8 @@ def run_job(job: Job, log_path: Path | None = None, where: Where | None = None) 
                                cwd=tmp, stdout=f, stderr=subprocess.STDOUT)
         text = log.read_text(errors="replace")
         if r.returncode != 0 or not of.is_file():
-            last = [ln for ln in text.splitlines() if ln.strip()][-1:] or ["no output"]
-            raise EaglewireError(f"SGLang exited with {r.returncode} serving {job.draft or job.target}: "
-                                 f"{last[0][:300]}" + (f" (log: {log_path})" if log_path else ""))
+            raise engine_exit("SGLang", r.returncode, job.draft or job.target, text,
+                              log_path or kept_log(text, "sglang"))
         out = json.loads(of.read_text())
     if job.concurrency:
         out["max_running_requests"] = running_limit(text)

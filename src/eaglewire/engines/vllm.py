@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import EaglewireError, UsageError
+from ..errors import UsageError, engine_exit, kept_log
 from ..files import atomic_path, write_json
 from .sglang_worker import sweep  # the chunk loop of both workers' sweeps: SGLang's worker may import nothing of ours
 
@@ -162,9 +162,8 @@ def run_job(job, log_path: Path | None = None) -> dict:
                                env=env, stdout=f, stderr=subprocess.STDOUT)
         text = log.read_text(errors="replace")
         if r.returncode != 0 or not of.is_file():
-            last = [ln for ln in text.splitlines() if ln.strip()][-1:] or ["no output"]
-            raise EaglewireError(f"vLLM exited with {r.returncode} serving {job.draft or job.target}: {last[0][:300]}"
-                                 + (f" (log: {log_path})" if log_path else ""))
+            raise engine_exit("vLLM", r.returncode, job.draft or job.target, text,
+                              log_path or kept_log(text, "vllm"))
         out = json.loads(of.read_text())
     out["aux_layers"] = aux_layers(text)
     out["log_tail"] = text.splitlines()[-20:]
