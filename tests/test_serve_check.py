@@ -3,6 +3,7 @@ serves the directory it is given with eaglewire's own decoder, reading the tap i
 id j = tap j). Everything else is real: export, import, the tiny chat target, the suite file, the comparison.
 vLLM's own objects are faked only where their readers are checked (counters, logprobs, the log line)."""
 
+import argparse
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -126,7 +127,7 @@ def test_a_faithful_engine_agrees_and_its_greedy_tokens_are_the_targets(world, m
 
 def test_the_gpu_memory_share_reaches_every_served_job(world, monkeypatch):
     fake = FakeVllm(world)
-    _check(world, monkeypatch, fake, with_wirings=True, gpu_memory_utilization=0.3)
+    _check(world, monkeypatch, fake, wirings=sc.ALL, gpu_memory_utilization=0.3)
     assert len(fake.jobs) == 5 and {j.gpu_memory_utilization for j in fake.jobs} == {0.3}
 
 
@@ -146,7 +147,7 @@ def test_greedy_tokens_that_change_with_the_draft_fail_unless_at_a_near_tie(worl
 
 def test_wirings_serve_the_same_weights_with_other_ids(world, monkeypatch):
     fake = FakeVllm(world)
-    r = _check(world, monkeypatch, fake, with_wirings=True)
+    r = _check(world, monkeypatch, fake, wirings=sc.ALL)
     got = {w["label"].split(":")[0]: w for w in r["wirings"]}
     assert set(got) == {"every tap -1", "every tap +1", "id 0 for tap 2"}
     assert got["every tap +1"]["ids"] == [3, 5, 6] and got["every tap +1"]["captured"]["taps"] == [3, 5, 6]
@@ -171,6 +172,22 @@ def test_wirings_serve_the_same_weights_with_other_ids(world, monkeypatch):
     assert "error TAPS_SHIFTED" in sc.render(r)
 
 
+def test_wirings_named_are_the_only_ones_served_and_a_name_the_engine_lacks_stops_before_serving(world,
+                                                                                                monkeypatch):
+    fake = FakeVllm(world)
+    r = _check(world, monkeypatch, fake, wirings=("embedding", "minus1"))
+    assert [w["key"] for w in r["wirings"]] == ["minus1", "embedding"] and len(fake.jobs) == 4  # engine's order
+    assert [w["label"].split(":")[0] for w in r["wirings"]] == ["every tap -1", "id 0 for tap 2"]
+    fake = FakeVllm(world)
+    with pytest.raises(sc.UsageError, match=r"--wirings missing: vLLM has no such wiring .* it has "
+                                            r"minus1,plus1,embedding"):
+        _check(world, monkeypatch, fake, wirings=("missing", "plus1"))
+    assert fake.jobs == []  # nothing served: the user's mistake costs no engine start
+    assert sc.wiring_keys("all") == sc.ALL and sc.wiring_keys("missing, plus1") == ("missing", "plus1")
+    with pytest.raises(argparse.ArgumentTypeError, match="invalid value 'plus1,plus2': must be all or wirings among"):
+        sc.wiring_keys("plus1,plus2")
+
+
 def test_a_wiring_the_engine_cannot_serve_is_a_row_not_the_end_of_the_check(world, monkeypatch, tmp_path):
     """vLLM 0.26.0 fails at id 0 on a DeepSeek-family target (models/deepseek_v2.py:1468-1469 adds a residual that
     is still None): that wiring's row says so, and the other rows and the report stand."""
@@ -183,7 +200,7 @@ def test_a_wiring_the_engine_cannot_serve_is_a_row_not_the_end_of_the_check(worl
                                     "for +: 'Tensor' and 'NoneType'")
         return fake(job, log_path)
 
-    r = _check(world, monkeypatch, engine_run, with_wirings=True)
+    r = _check(world, monkeypatch, engine_run, wirings=sc.ALL)
     got = {w["label"].split(":")[0]: w for w in r["wirings"]}
     zero = got["id 0 for tap 2"]
     assert zero["acceptance_length"] is None and zero["vs_draft_ids"] is None and "NoneType" in zero["failed"]
@@ -374,6 +391,7 @@ def test_sglang_wirings_on_a_deepseek_target_shift_the_ids_the_export_writes():
     assert [(w["ids"], w["taps"]) for w in got.values()] == [([2, 6, 9], [2, 6, 9]), ([0, 4, 7], [0, 4, 7]),
                                                               ([0, 6, 9], [0, 6, 9]), (None, [2, 6, 9])]
     assert list(got) == ["every nested id +1", "every nested id -1", "the embedding", "nested key misspelled"]
+    assert [w["key"] for w in got.values()] == list(sc.WIRINGS)  # the names --wirings takes
     cfg = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 8]}}
     got["the embedding"]["edit"](cfg)
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 6, 9]
@@ -383,7 +401,7 @@ def test_sglang_wirings_on_a_deepseek_target_shift_the_ids_the_export_writes():
 
 def test_sglang_wirings_in_its_own_words(world, monkeypatch):
     fake, logged = FakeSglang(world), []
-    r = _check_sglang(world, monkeypatch, fake, with_wirings=True, log=logged.append)
+    r = _check_sglang(world, monkeypatch, fake, wirings=sc.ALL, log=logged.append)
     got = {w["label"].split(" (")[0].split(":")[0]: w for w in r["wirings"]}
     # each acceptance is logged as it lands, so a run cut short (a lost machine) keeps what it measured
     assert f"with the draft: acceptance length {r['sglang']['acceptance_length']:.3f}" in "\n".join(logged)

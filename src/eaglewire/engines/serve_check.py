@@ -1,7 +1,8 @@
 """`eaglewire serve-check`: the draft served by the real engine, beside eaglewire's own decoder.
 
     eaglewire serve-check --draft DIR --target T [--engine vllm|sglang] [--suite mt-bench|humaneval|gsm8k|arena-hard|
-        alpaca-eval|FILE] [--max-prompts N] [--max-new-tokens M] [--chain K] [--wirings] [--json OUT] [--plot OUT.png]
+        alpaca-eval|FILE] [--max-prompts N] [--max-new-tokens M] [--chain K] [--wirings [KEY,...]] [--json OUT]
+        [--plot OUT.png]
         [--engine-args "SGLANG'S --speculative-* FLAGS"] [--sglang-python PY] [--sglang-path DIR]
 
 The incident eaglewire exists for was lost between training and the serving engine, so the engine's own
@@ -11,7 +12,8 @@ counters are the ground truth here: the same prompts, greedy, batch 1, through
 Then acceptance length, acceptance by position and tokens/s are set side by side, and the engine's greedy
 tokens with and without the draft are compared token for token. `--wirings` serves the draft again with the
 tap ids of the doctor's main alternative wirings, in the engine's words: the engine's acceptance for each is
-the ground truth that `eaglewire doctor --probe` estimates.
+the ground truth that `eaglewire doctor --probe` estimates. `--wirings minus1,missing` serves only those: each
+wiring restarts the engine.
 
 This module is engine-neutral: what it needs of an engine (its jobs, its counters per prompt, where it reads
 tap ids, its wirings, what it says it captured) is that engine's `Serving` class, beside its boundary
@@ -25,6 +27,7 @@ differ with and without the draft other than at a near-tie (with SGLang they are
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -51,6 +54,21 @@ TIE = 0.1
 
 
 ENGINES = ("vllm", "sglang")
+# the wirings an engine may offer for a draft (its Serving.wirings' keys); ALL: each one it offers
+WIRINGS = ("plus1", "minus1", "embedding", "missing")
+ALL = "all"
+
+
+def wiring_keys(text: str):
+    """--wirings' value: ALL, or keys of WIRINGS separated by commas."""
+    if text == ALL:
+        return ALL
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in keys if k not in WIRINGS]
+    if bad or not keys:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be {ALL} or wirings among "
+                                         f"{', '.join(WIRINGS)}, comma-separated")
+    return keys
 SGLANG_SPEC_FLAGS = {"speculative-num-steps": "num_steps", "speculative-eagle-topk": "eagle_topk",
                      "speculative-num-draft-tokens": "num_draft_tokens"}
 
@@ -255,13 +273,14 @@ def ours(target, native: Path, suite: str, max_prompts, max_new_tokens: int, cha
 
 
 def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "mt-bench", max_prompts=20,
-                max_new_tokens: int = 256, chain: int | None = None, with_wirings: bool = False, device=None,
+                max_new_tokens: int = 256, chain: int | None = None, wirings=(), device=None,
                 gpu_memory_utilization: float | None = None, engine_args: str | None = None,
                 sglang_python: str | None = None, sglang_path: str | None = None, eager: bool = False, log=None,
                 work=None) -> dict:
     """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0). `chain`: draft
     tokens a step (default 7; with SGLang `engine_args`, the steps they resolve to). `eager`: no CUDA graphs in
-    the engine's timed runs either (the wirings always run eager), and eaglewire's decoder uncompiled."""
+    the engine's timed runs either (the wirings always run eager), and eaglewire's decoder uncompiled. `wirings`:
+    the keys of the engine's wirings to serve as well (WIRINGS), ALL for each it has, () for none."""
     spec, asked = speculative_args(engine_name, engine_args, target)
     if asked is not None:
         if chain is not None and chain != asked.num_steps:
@@ -283,6 +302,7 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
     try:
         p = prepare_draft(draft, target, work, chain, eng)
         log(f"eaglewire serve-check: the draft {p.how}; {eng.label} will capture taps {list(p.taps)}")
+        chosen = choose_wirings(eng, p, wirings)  # before anything is served: a key it lacks is the user's to fix
         mine = ours(target, p.native, suite, max_prompts, max_new_tokens, chain, device, log, compile=not eager)
         job = dict(conversations=mine["conversations"], input_ids=mine["input_ids"], max_new_tokens=max_new_tokens,
                    chain=chain)
@@ -293,7 +313,7 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         log(f"eaglewire serve-check: {eng.label} with the draft: acceptance length "
             f"{_fmt(counts(eng.rows(spec_r, chain), chain)['acceptance_length'])}, eaglewire's "
             f"{_fmt(counts(mine['spec'], chain)['acceptance_length'])}")
-        alts = serve_wirings(eng, p, path, job, work, chain, log) if with_wirings else []
+        alts = serve_wirings(eng, chosen, p, path, job, work, chain, log)
         r = result(eng, p, mine, plain, spec_r, alts, chain, max_new_tokens, target,
                    _asked(asked, eng.speculation(spec_r), engine_args) if asked is not None else None)
         # the flags as served: serve-check adds the algorithm
@@ -307,10 +327,23 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
             shutil.rmtree(work, ignore_errors=True)
 
 
-def serve_wirings(eng, p: Prepared, path: Path, job: dict, work: Path, chain: int, log) -> list[dict]:
-    """The engine served each of its wirings (other tap ids), eager; the doctor's word on each before it is served."""
+def choose_wirings(eng, p: Prepared, wanted) -> list[dict]:
+    """The engine's wirings for this draft whose keys are `wanted` (ALL: each of them), in the engine's order."""
+    offered = eng.wirings(p.taps, p.num_layers, p.model_type)
+    if wanted == ALL:
+        return offered
+    lacking = [k for k in wanted if k not in {w["key"] for w in offered}]
+    if lacking:
+        raise UsageError(f"--wirings {','.join(lacking)}: {eng.label} has no such wiring for this draft (taps "
+                         f"{list(p.taps)} of {p.num_layers} layers); it has {','.join(w['key'] for w in offered)}")
+    return [w for w in offered if w["key"] in wanted]
+
+
+def serve_wirings(eng, wirings: list[dict], p: Prepared, path: Path, job: dict, work: Path, chain: int,
+                  log) -> list[dict]:
+    """The engine served each of `wirings` (other tap ids), eager; the doctor's word on each before it is served."""
     alts = []
-    for k, w in enumerate(eng.wirings(p.taps, p.num_layers, p.model_type)):
+    for k, w in enumerate(wirings):
         # The doctor examines the edit as a hand edit of the export leaves it (its record contradicting the
         # ids); the engine, which ignores that record, is served the same edit without it.
         edit = w.pop("edit")
@@ -531,7 +564,7 @@ def plot(r: dict, out) -> Path:
 
 def cmd_serve_check(args) -> int:
     r = serve_check(args.draft, args.target, engine_name=args.engine, suite=args.suite, max_prompts=args.max_prompts,
-                    max_new_tokens=args.max_new_tokens, chain=args.chain, with_wirings=args.wirings,
+                    max_new_tokens=args.max_new_tokens, chain=args.chain, wirings=args.wirings,
                     device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                     engine_args=args.engine_args, sglang_python=args.sglang_python, sglang_path=args.sglang_path,
                     eager=args.eager)
@@ -554,11 +587,11 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=256, metavar="M")
     p.add_argument("--chain", type=cli_args.positive_int, default=None, metavar="K",
                    help="draft tokens a step (default 7)")
-    p.add_argument("--wirings", action="store_true",
-                   help="serve again with other tap ids: vLLM every id -1 and +1 and id 0 in place of the first; "
-                        "SGLang every nested id +1 and -1, the nested key misspelled (its default taps) and, on a "
-                        "family whose SGLang captures the embedding (DeepSeek, the Qwen MoEs), the embedding in place "
-                        "of the first tap")
+    p.add_argument("--wirings", nargs="?", const=ALL, default=(), type=wiring_keys, metavar="KEY,...",
+                   help="serve again with other tap ids, each or those named: plus1 and minus1 (every id +1, -1), "
+                        "embedding (vLLM: id 0 in place of the first tap; SGLang: the embedding in its place, on a "
+                        "family whose SGLang captures it: DeepSeek, the Qwen MoEs), missing (SGLang: the nested key "
+                        "misspelled, its default taps)")
     p.add_argument("--engine-args", default=None, metavar='"ARGS"',
                    help="SGLang: its --speculative-num-steps/-eagle-topk/-num-draft-tokens as on its command line, "
                         "served as they are; the report says what SGLang resolved them to")

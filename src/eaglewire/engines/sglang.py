@@ -361,8 +361,8 @@ class Serving:
         export writes, the nested key misspelled, which SGLang's bare except turns into its default taps
         [2, N//2, N-3] WITHOUT the +1 (models/llama.py:889-892), and, where the family's SGLang captures the
         embedding (DeepSeek's id 0, the MoE families' id -1: eaglewire.taps), the embedding in place of the first
-        tap. Each: label, the ids written (None: not read), the taps SGLang will capture (computed by its rules,
-        eaglewire.taps) and the config edit."""
+        tap. Each: key (a name --wirings takes), label, the ids written (None: not read), the taps SGLang will
+        capture (computed by its rules, eaglewire.taps) and the config edit."""
         from ..errors import TapError
         from ..interop.common import IDS_KEY
         from ..interop.sglang import choose_ids, convention_for
@@ -380,20 +380,21 @@ class Serving:
             return edit
 
         out = []
-        for d, label in ((1, "every nested id +1 (the seed incident's fault)"), (-1, "every nested id -1")):
+        for d, key, label in ((1, "plus1", "every nested id +1 (the seed incident's fault)"),
+                              (-1, "minus1", "every nested id -1")):
             shifted = [i + d for i in ids]
             try:
-                out.append({"label": label, "ids": shifted, "taps": list(conv.from_ids(shifted, num_layers)),
-                            "edit": nested(shifted)})
+                out.append({"key": key, "label": label, "ids": shifted,
+                            "taps": list(conv.from_ids(shifted, num_layers)), "edit": nested(shifted)})
             except TapError:
                 pass  # a tap SGLang cannot capture (id -1 crashes, id N-1 is never reached)
         if conv.lowest_tap(num_layers) == 0 and taps[0] != 0:  # the tap the incident's "fix" assumed
             first = [0, *taps[1:]]
             first_ids = conv.to_ids(first, num_layers)
-            out.append({"label": f"the embedding (id {first_ids[0]}) in place of tap {taps[0]}", "ids": first_ids,
-                        "taps": first, "edit": nested(first_ids)})
+            out.append({"key": "embedding", "label": f"the embedding (id {first_ids[0]}) in place of tap {taps[0]}",
+                        "ids": first_ids, "taps": first, "edit": nested(first_ids)})
         if len(taps) == 3:  # without nested ids SGLang builds fc for 3 taps (llama_eagle3.py:148-153)
             fallback = list(sglang_default_taps(num_layers))
-            out.append({"label": f"nested key misspelled ({MISSPELLED}): SGLang's default taps, no +1", "ids": None,
-                        "taps": fallback, "edit": nested(ids, MISSPELLED)})
+            out.append({"key": "missing", "label": f"nested key misspelled ({MISSPELLED}): SGLang's default taps, "
+                        "no +1", "ids": None, "taps": fallback, "edit": nested(ids, MISSPELLED)})
         return out

@@ -281,8 +281,8 @@ class Serving:
     def wirings(taps: tuple[int, ...], num_layers: int, model_type: str | None) -> list[dict]:
         """The doctor's main alternatives in vLLM's ids: every tap -1 and +1, and id 0 for the first tap (the
         embedding on paper; in vLLM 0.26.0 the last layer's output eager and undefined compiled, taps._VLLM_ID0: what
-        a checkpoint asking for the embedding really gets). Each: label, ids, the taps vLLM will capture (None: not a
-        tap) and the config edit."""
+        a checkpoint asking for the embedding really gets). Each: key (a name --wirings takes), label, ids, the taps
+        vLLM will capture (None: not a tap) and the config edit."""
         from ..doctor.probe import candidates
         from ..interop.common import IDS_KEY
         from ..taps import CONVENTIONS
@@ -294,11 +294,13 @@ class Serving:
         for w in candidates(taps, None, num_layers):
             if w.label in ("every tap -1", "every tap +1") and w.plain and min(w.sources) >= 1:
                 ids = conv.to_ids(w.sources, num_layers)
-                out.append({"label": w.label, "ids": ids, "taps": list(w.sources), "edit": top_level(ids)})
+                key = "minus1" if w.label == "every tap -1" else "plus1"
+                out.append({"key": key, "label": w.label, "ids": ids, "taps": list(w.sources),
+                            "edit": top_level(ids)})
         if taps[0] > 0:
             ids = [0] + conv.to_ids(taps[1:], num_layers)
-            out.append({"label": f"id 0 for tap {taps[0]}: the embedding on paper, not what vLLM feeds",
-                        "ids": ids, "taps": None, "edit": top_level(ids)})
+            out.append({"key": "embedding", "label": f"id 0 for tap {taps[0]}: the embedding on paper, not what vLLM "
+                        "feeds", "ids": ids, "taps": None, "edit": top_level(ids)})
         return out
 
 
