@@ -188,6 +188,26 @@ def test_wirings_named_are_the_only_ones_served_and_a_name_the_engine_lacks_stop
         sc.wiring_keys("plus1,plus2")
 
 
+def test_a_run_cut_short_leaves_the_rows_it_served_and_names_the_rest(world, monkeypatch):
+    """Run 44 (an H100, 2026-12-07) lost its lease during a wiring: the log kept the rows, the JSON nothing. The
+    result so far now lands once the draft is served and after each wiring."""
+    fake, seen = FakeVllm(world), []
+
+    def dies_on_the_fourth_job(job, log_path=None):
+        if len(fake.jobs) == 3:
+            raise KeyboardInterrupt  # the machine taken back: no EaglewireError, no row
+        return fake(job, log_path)
+
+    with pytest.raises(KeyboardInterrupt):
+        _check(world, monkeypatch, dies_on_the_fourth_job, wirings=sc.ALL, progress=seen.append)
+    assert [[w["key"] for w in r["wirings"]] for r in seen] == [[], ["minus1"]]
+    assert [r["wirings_pending"] for r in seen] == [["minus1", "plus1", "embedding"], ["plus1", "embedding"]]
+    last = json.loads(json.dumps(seen[-1]))  # as --json writes it
+    assert last["wirings"][0]["acceptance_length"] < last["vllm"]["acceptance_length"] and last["ok"]
+    r = _check(world, monkeypatch, FakeVllm(world), wirings=("plus1",))
+    assert r["wirings_pending"] == [] and [w["key"] for w in r["wirings"]] == ["plus1"]
+
+
 def test_a_wiring_the_engine_cannot_serve_is_a_row_not_the_end_of_the_check(world, monkeypatch, tmp_path):
     """vLLM 0.26.0 fails at id 0 on a DeepSeek-family target (models/deepseek_v2.py:1468-1469 adds a residual that
     is still None): that wiring's row says so, and the other rows and the report stand."""

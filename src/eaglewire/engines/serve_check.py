@@ -276,11 +276,13 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
                 max_new_tokens: int = 256, chain: int | None = None, wirings=(), device=None,
                 gpu_memory_utilization: float | None = None, engine_args: str | None = None,
                 sglang_python: str | None = None, sglang_path: str | None = None, eager: bool = False, log=None,
-                work=None) -> dict:
+                work=None, progress=None) -> dict:
     """Run the whole check; -> the JSON-ready result (its "ok" says whether the command exits 0). `chain`: draft
     tokens a step (default 7; with SGLang `engine_args`, the steps they resolve to). `eager`: no CUDA graphs in
     the engine's timed runs either (the wirings always run eager), and eaglewire's decoder uncompiled. `wirings`:
-    the keys of the engine's wirings to serve as well (WIRINGS), ALL for each it has, () for none."""
+    the keys of the engine's wirings to serve as well (WIRINGS), ALL for each it has, () for none. `progress`: called
+    with the result so far once the draft is served and after each wiring, so that a machine lost mid-run leaves
+    what it measured."""
     spec, asked = speculative_args(engine_name, engine_args, target)
     if asked is not None:
         if chain is not None and chain != asked.num_steps:
@@ -313,15 +315,23 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         log(f"eaglewire serve-check: {eng.label} with the draft: acceptance length "
             f"{_fmt(counts(eng.rows(spec_r, chain), chain)['acceptance_length'])}, eaglewire's "
             f"{_fmt(counts(mine['spec'], chain)['acceptance_length'])}")
-        alts = serve_wirings(eng, chosen, p, path, job, work, chain, log)
-        r = result(eng, p, mine, plain, spec_r, alts, chain, max_new_tokens, target,
-                   _asked(asked, eng.speculation(spec_r), engine_args) if asked is not None else None)
         # the flags as served: serve-check adds the algorithm
-        r["draft"]["doctor"] = doctor_says(p.engine_dir, eng, p, engine_args and
-                                           "--speculative-algorithm EAGLE3 " + engine_args)
-        r["settings"]["engine_cuda_graphs"] = not eager
-        r["settings"]["eaglewire_compiled"] = not eager
-        return r
+        said = doctor_says(p.engine_dir, eng, p, engine_args and "--speculative-algorithm EAGLE3 " + engine_args)
+
+        def report(alts: list) -> dict:
+            r = result(eng, p, mine, plain, spec_r, alts, chain, max_new_tokens, target,
+                       _asked(asked, eng.speculation(spec_r), engine_args) if asked is not None else None)
+            r["draft"]["doctor"] = said
+            r["settings"].update(engine_cuda_graphs=not eager, eaglewire_compiled=not eager)
+            r["wirings_pending"] = [w["key"] for w in chosen[len(alts):]]  # a run cut short says what it lacks
+            return r
+
+        def landed(alts: list) -> None:
+            if progress:
+                progress(report(alts))
+
+        landed([])
+        return report(serve_wirings(eng, chosen, p, path, job, work, chain, log, landed))
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
@@ -340,8 +350,9 @@ def choose_wirings(eng, p: Prepared, wanted) -> list[dict]:
 
 
 def serve_wirings(eng, wirings: list[dict], p: Prepared, path: Path, job: dict, work: Path, chain: int,
-                  log) -> list[dict]:
-    """The engine served each of `wirings` (other tap ids), eager; the doctor's word on each before it is served."""
+                  log, landed=lambda alts: None) -> list[dict]:
+    """The engine served each of `wirings` (other tap ids), eager; the doctor's word on each before it is served.
+    `landed(rows so far)` after each."""
     alts = []
     for k, w in enumerate(wirings):
         # The doctor examines the edit as a hand edit of the export leaves it (its record contradicting the
@@ -357,11 +368,13 @@ def serve_wirings(eng, wirings: list[dict], p: Prepared, path: Path, job: dict, 
             alts.append({**w, "doctor": said, "captured": None, "per_prompt": None, "failed": str(e),
                          **counts([], chain)})
             log(f"eaglewire serve-check: {eng.label} given ids {w['ids']}: the engine failed: {e}")
+            landed(alts)
             continue
         rows = eng.rows(r, chain)
         alts.append({**w, "doctor": said, "captured": eng.captured(r), "per_prompt": rows, **counts(rows, chain)})
         log(f"eaglewire serve-check: {eng.label} given ids {w['ids']}: acceptance length "
             f"{_fmt(alts[-1]['acceptance_length'])}")  # logged as it lands: a run cut short keeps it
+        landed(alts)
     return alts
 
 
@@ -567,7 +580,7 @@ def cmd_serve_check(args) -> int:
                     max_new_tokens=args.max_new_tokens, chain=args.chain, wirings=args.wirings,
                     device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                     engine_args=args.engine_args, sglang_python=args.sglang_python, sglang_path=args.sglang_path,
-                    eager=args.eager)
+                    eager=args.eager, progress=args.json and (lambda so_far: write_json(args.json, so_far)))
     print(render(r))
     if args.json:
         write_json(args.json, r)
