@@ -54,6 +54,8 @@ TIE = 0.1
 
 
 ENGINES = ("vllm", "sglang")
+SGLANG_SPEC_FLAGS = {"speculative-num-steps": "num_steps", "speculative-eagle-topk": "eagle_topk",
+                     "speculative-num-draft-tokens": "num_draft_tokens"}
 # the wirings an engine may offer for a draft (its Serving.wirings' keys); ALL: each one it offers
 WIRINGS = ("plus1", "minus1", "embedding", "missing")
 ALL = "all"
@@ -69,8 +71,6 @@ def wiring_keys(text: str):
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be {ALL} or wirings among "
                                          f"{', '.join(WIRINGS)}, comma-separated")
     return keys
-SGLANG_SPEC_FLAGS = {"speculative-num-steps": "num_steps", "speculative-eagle-topk": "eagle_topk",
-                     "speculative-num-draft-tokens": "num_draft_tokens"}
 
 
 def serving(name: str, *, memory: float | None = None, sglang_python: str | None = None,
