@@ -12,9 +12,36 @@ from eaglewire.runtime.sampling import SamplingParams
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(scope="module")
+def synced(llama, seqs, drafts):
+    """shape -> the reference round's results, made once per shape, since `ahead` and `overlap` do not change
+    them: on the first 4 prompts, (30 tokens, an EOS mid-way, the generation cut there); on the last, 220 tokens;
+    (tree) whether each round kept a branch other than the first nodes. Each checked against the target's own
+    greedy tokens."""
+    made = {}
+
+    def results(shape):
+        key = "tree" if shape is TREE else "chain"
+        if key not in made:
+            dec = host_rounds(decoder(llama, *drafts["trained"], static_shapes=True, **shape))
+            short = []
+            for p in prompts(seqs)[:4]:
+                full = dec.generate(p, 30)
+                assert full.tokens == reference_greedy(llama.model, p, 30), p
+                eos = full.tokens[len(full.tokens) // 2]
+                short.append((full, eos, dec.generate(p, 30, eos_ids=[eos])))
+            long = dec.generate(p, 220).tokens
+            assert long == reference_greedy(llama.model, p, 220)
+            made[key] = {"short": short, "long": long,
+                         "moved": synced_moves(dec, prompts(seqs)[:4]) if shape is TREE else None}
+        return made[key]
+    return results
+
+
 @pytest.mark.parametrize("ahead,overlap", [(1, False), (4, False), (1, True), (2, True)])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts, monkeypatch, shape, ahead, overlap):
+def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts, synced, monkeypatch, shape, ahead,
+                                                             overlap):
     """Greedy decoding runs rounds.py's rounds from the first round on: the verdict stays on the device. A chain round is three replays (the draft's extend and chain, the verify, the verdict), a
     tree round four (and the accepted branch's K/V move); outside them only the target's argmax and
     the taps' copy or gather; `ahead` rounds go by between read-backs, and with `overlap` (CUDA) the
@@ -25,7 +52,7 @@ def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts
     monkeypatch.setattr(runners, "CACHE_ROUNDING", 64)  # so that a longer generation grows the caches
     monkeypatch.setattr(runners.TargetRunner, "prefill_chunk", 32)
     fast = decoder(llama, *drafts["trained"], static_shapes=True, **shape)
-    synced = host_rounds(decoder(llama, *drafts["trained"], static_shapes=True, **shape))
+    ref = synced(shape)
     fast.rounds_ahead, fast.rounds_overlap = ahead, overlap
     reads = counted_queues(monkeypatch, fast.rounds, replays, Ops)
 
@@ -34,22 +61,16 @@ def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts
         res = generate()
         return res, sum(count for count, _, _ in reads) - before - len(res.accepted_per_step)
 
-    kept = 0
-    for p in prompts(seqs)[:4]:
-        ref = synced.generate(p, 30)
-        kept += sum(ref.accepted_per_step)
-        assert ref.tokens == reference_greedy(llama.model, p, 30), p
+    for p, (full, eos, cut) in zip(prompts(seqs)[:4], ref["short"]):
         got, waste = wasted(lambda: fast.generate(p, 30))
-        assert got.tokens == ref.tokens and got.accepted_per_step == ref.accepted_per_step, p
+        assert got.tokens == full.tokens and got.accepted_per_step == full.accepted_per_step, p
         assert got.stop == "length" and waste == 0  # never more rounds queued than the limit could need
-        eos = ref.tokens[len(ref.tokens) // 2]
-        cut = synced.generate(p, 30, eos_ids=[eos])
         got, waste = wasted(lambda: fast.generate(p, 30, eos_ids=[eos]))
         assert got.tokens == cut.tokens and got.stop == "eos" and got.accepted_per_step == cut.accepted_per_step
         assert 0 <= waste < (2 * ahead if overlap else ahead)
-    assert kept > 0  # the draft proposes tokens the target keeps
+    assert sum(sum(full.accepted_per_step) for full, _, _ in ref["short"]) > 0  # the draft's tokens are kept
     long = fast.generate(p, 220)  # a larger cache: every runner's static functions made anew (new graphs on CUDA)
-    assert long.tokens == synced.generate(p, 220).tokens == reference_greedy(llama.model, p, 220)
+    assert long.tokens == ref["long"]
     rounds = fast.rounds
     assert rounds.statics == rounds._current() and rounds.verdict["committed"].shape[0] > 64
     tree = shape is TREE
@@ -59,7 +80,7 @@ def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts
         launched = [n for n in names if n not in ("select", "slice")]  # views: no kernel
         assert sorted(launched) == sorted(["argmax", "index_select" if tree else "copy_"] * count), names
     if tree:  # some rounds kept a branch that is not the first nodes: the move did move
-        assert any(r for r in synced_moves(synced, prompts(seqs)[:4]))
+        assert any(ref["moved"])
     # each is a CUDA graph on a GPU: no host read-back inside (make_fx refuses _local_scalar_dense)
     from torch.fx.experimental.proxy_tensor import make_fx
     args = (fast.spec.depth,) if tree else (fast.spec.K - 1,)
