@@ -42,7 +42,8 @@ def synced(llama, seqs, drafts):
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_rounds_that_never_wait_commit_what_synced_rounds_do(llama, seqs, drafts, synced, monkeypatch, shape, ahead,
                                                              overlap):
-    """Greedy decoding runs rounds.py's rounds from the first round on: the verdict stays on the device. A chain round is three replays (the draft's extend and chain, the verify, the verdict), a
+    """Greedy decoding runs rounds.py's rounds from the first round on: the verdict stays on the device. A chain
+    round is three replays (the draft's extend and chain, the verify, the verdict), a
     tree round four (and the accepted branch's K/V move); outside them only the target's argmax and
     the taps' copy or gather; `ahead` rounds go by between read-backs, and with `overlap` (CUDA) the
     next batch is queued before a read-back. The same tokens and the same acceptance, round by round,
