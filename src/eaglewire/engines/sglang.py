@@ -60,7 +60,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import UsageError, engine_exit, kept_log
+from ..errors import UsageError, engine_exit
 
 VERSION = "0.5.17"  # the release whose source these rules were read from, and which served our drafts
 REQUIREMENT = f"sglang=={VERSION}"
@@ -193,8 +193,7 @@ def run_job(job: Job, log_path: Path | None = None, where: Where | None = None) 
                                cwd=tmp, stdout=f, stderr=subprocess.STDOUT)
         text = log.read_text(errors="replace")
         if r.returncode != 0 or not of.is_file():
-            raise engine_exit("SGLang", r.returncode, job.draft or job.target, text,
-                              log_path or kept_log(text, "sglang"))
+            raise engine_exit("SGLang", r.returncode, job.draft or job.target, text, log_path)
         out = json.loads(of.read_text())
     if job.concurrency:
         out["max_running_requests"] = running_limit(text)

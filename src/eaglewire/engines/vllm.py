@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import UsageError, engine_exit, kept_log
+from ..errors import UsageError, engine_exit
 from ..files import atomic_path, write_json
 from .sglang_worker import sweep  # the chunk loop of both workers' sweeps: SGLang's worker may import nothing of ours
 
@@ -162,8 +162,7 @@ def run_job(job, log_path: Path | None = None) -> dict:
                                env=env, stdout=f, stderr=subprocess.STDOUT)
         text = log.read_text(errors="replace")
         if r.returncode != 0 or not of.is_file():
-            raise engine_exit("vLLM", r.returncode, job.draft or job.target, text,
-                              log_path or kept_log(text, "vllm"))
+            raise engine_exit("vLLM", r.returncode, job.draft or job.target, text, log_path)
         out = json.loads(of.read_text())
     out["aux_layers"] = aux_layers(text)
     out["log_tail"] = text.splitlines()[-20:]
