@@ -419,6 +419,18 @@ def test_sglang_wirings_on_a_deepseek_target_shift_the_ids_the_export_writes():
     assert not any("embedding" in w["label"] for w in sglang_engine.Serving.wirings((2, 15, 27), 30, "llama"))
 
 
+def test_vllm_id0_wiring_says_the_deepseek_family_fails_where_llama_is_fed_another_tensor():
+    """vLLM 0.26.0 runs DeepSeek-V2/V3/V3.2 and Kimi-K2 through models/deepseek_v2.py (registry.py), whose capture
+    adds a residual that is None before layer 0 (deepseek_v2.py:1430, :1468-1469): id 0 fails there (served: a
+    TypeError). Llama's keeps the embedding tensor the first layer then updates in place."""
+    def id0(model_type):
+        return next(w for w in engine.Serving.wirings((2, 6, 9), 12, model_type) if w["key"] == "embedding")
+    for family in ("deepseek_v3", "kimi_k2"):
+        assert id0(family)["ids"] == [0, 6, 9] and "fails on this family" in id0(family)["label"]
+    assert "fails" not in id0("llama")["label"] and "not what vLLM feeds" in id0("llama")["label"]
+    assert [w["key"] for w in engine.Serving.wirings((2, 6, 9), 12, "deepseek_v3")] == ["minus1", "plus1", "embedding"]
+
+
 def test_sglang_wirings_in_its_own_words(world, monkeypatch):
     fake, logged = FakeSglang(world), []
     r = _check_sglang(world, monkeypatch, fake, wirings=sc.ALL, log=logged.append)

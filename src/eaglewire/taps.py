@@ -223,6 +223,9 @@ _SGLANG_COMMUNICATOR_WHY = ("SGLang captures the residual stream as a layer star
 # accepted 1.08 where the draft fed the last layer's output in that slot replays at 1.07 (`serve-check --wirings`).
 # Compiled, the tensor is donated to the norm (compilation/passes/ir/inplace_functionalization.py:21-31): its contents
 # are not defined afterwards. DeepSeek family (deepseek_v2.py:1430, 1468-1469): the sum with None fails instead.
+# HF model_types vLLM 0.26.0 runs through models/deepseek_v2.py (registry.py: DeepseekV2/V3/V32ForCausalLM; Kimi-K2
+# is DeepseekV3ForCausalLM): id 0 adds a residual still None there (deepseek_v2.py:1430, :1468-1469), so it fails.
+VLLM_ID0_FAILS = frozenset(("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"))
 _VLLM_ID0 = ("vLLM (0.26.0) feeds the draft at id 0 not the embedding but the tensor its first layer takes as the "
              "residual, which the add-RMSNorm updates in place (eager: the last layer's output, measured; compiled: "
              "undefined); on a DeepSeek-family target it fails instead, adding a residual that is still None")

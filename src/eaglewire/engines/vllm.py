@@ -278,13 +278,13 @@ class Serving:
 
     @staticmethod
     def wirings(taps: tuple[int, ...], num_layers: int, model_type: str | None) -> list[dict]:
-        """The doctor's main alternatives in vLLM's ids: every tap -1 and +1, and id 0 for the first tap (the
-        embedding on paper; in vLLM 0.26.0 the last layer's output eager and undefined compiled, taps._VLLM_ID0: what
-        a checkpoint asking for the embedding really gets). Each: key (a name --wirings takes), label, ids, the taps
-        vLLM will capture (None: not a tap) and the config edit."""
+        """The doctor's main alternatives in vLLM's ids: every tap -1 and +1, and id 0 for the first tap. Id 0 is
+        the embedding on paper. vLLM 0.26.0 feeds the last layer's output eager, something undefined compiled
+        (taps._VLLM_ID0), and fails on the DeepSeek family (taps.VLLM_ID0_FAILS). Each: key (a name --wirings takes),
+        label, ids, the taps vLLM will capture (None: not a tap) and the config edit."""
         from ..doctor.probe import candidates
         from ..interop.common import IDS_KEY
-        from ..taps import CONVENTIONS
+        from ..taps import CONVENTIONS, VLLM_ID0_FAILS
 
         def top_level(ids):
             return lambda cfg: cfg.__setitem__(IDS_KEY, [int(i) for i in ids])
@@ -298,8 +298,10 @@ class Serving:
                             "edit": top_level(ids)})
         if taps[0] > 0:
             ids = [0] + conv.to_ids(taps[1:], num_layers)
-            out.append({"key": "embedding", "label": f"id 0 for tap {taps[0]}: the embedding on paper, not what vLLM "
-                        "feeds", "ids": ids, "taps": None, "edit": top_level(ids)})
+            what = ("vLLM fails on this family, adding a residual still None" if model_type in VLLM_ID0_FAILS
+                    else "the embedding on paper, not what vLLM feeds")
+            out.append({"key": "embedding", "label": f"id 0 for tap {taps[0]}: {what}", "ids": ids, "taps": None,
+                        "edit": top_level(ids)})
         return out
 
 
