@@ -20,6 +20,7 @@ from eaglewire.bench import run as bench
 from eaglewire.cli import main as cli_main
 from eaglewire.data.suites import encode_prompt
 from eaglewire.engines import serve_check as sc
+from eaglewire.engines import serve_report
 from eaglewire.engines import sglang as sglang_engine
 from eaglewire.engines import vllm as engine
 from eaglewire.errors import UsageError
@@ -229,6 +230,8 @@ def test_a_wiring_the_engine_cannot_serve_is_a_row_not_the_end_of_the_check(worl
     text = sc.render(r)
     assert "vLLM failed to serve these ids: vLLM exited with 1" in text and r["ok"]
     assert json.loads(json.dumps(r))["wirings"][2]["failed"] == zero["failed"]
+    assert [name for name, _ in serve_report.wiring_bars(r)][1:] == [
+        "every tap -1: taps [1, 3, 4]", "every tap +1: taps [3, 5, 6]", "id 0 for tap 2: vLLM failed"]
     sc.plot(r, tmp_path / "r.png")
 
 

@@ -116,6 +116,16 @@ def said(doctor: dict | None) -> str:
     return ", ".join(c.replace(":", " ", 1) for c in worst) or "clean"
 
 
+def wiring_bars(r: dict) -> list[tuple[str, float | None]]:
+    """The wirings' bars: each named by what the engine was given and what it read, or that it failed."""
+    def read(w):
+        return (f"{E} failed" if w.get("failed") else f"taps {w['taps']}" if w["taps"] is not None
+                else "not a tap")
+    E = r.get("engine_label") or r["engine"]
+    return [(f"the draft's ids: taps {r['draft']['taps']}", r[r["engine"]]["acceptance_length"])] + \
+        [(f"{w['label'].split(':')[0].split(' (')[0]}: {read(w)}", w["acceptance_length"]) for w in r["wirings"]]
+
+
 def plot(r: dict, out) -> Path:
     """PNG: acceptance by draft position, eaglewire against the engine, and the wirings' acceptance lengths."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -135,10 +145,7 @@ def plot(r: dict, out) -> Path:
     ax.legend(fontsize=8)
     if r["wirings"]:
         bx = fig.add_subplot(1, 2, 2)
-        # each bar named by what the engine was given and the taps that made it read
-        rows = [(f"the draft's ids: taps {r['draft']['taps']}", r[r["engine"]]["acceptance_length"])] + \
-            [(f"{w['label'].split(':')[0].split(' (')[0]}: taps {w['taps']}", w["acceptance_length"])
-             for w in r["wirings"]]
+        rows = wiring_bars(r)
         bx.barh([a for a, _ in rows][::-1], [b or 0 for _, b in rows][::-1], color="#228833")
         bx.set(xlabel=f"{E} acceptance length", title="other ids, by the taps read")
     fig.tight_layout()
