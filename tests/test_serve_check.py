@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from eaglewire import checkpoint, interop
 from eaglewire.bench import run as bench
+from eaglewire.capture import locate
 from eaglewire.cli import main as cli_main
 from eaglewire.data.suites import encode_prompt
 from eaglewire.engines import serve_check as sc
@@ -49,10 +50,12 @@ def world(tmp_path_factory):
 
 class FakeVllm:
     """run_job's stand-in: greedy, batch 1, the served directory read as vLLM reads it, our decoder doing the
-    work. `lose` takes that many accepted tokens off every verification step that accepted some."""
+    work. `lose` takes that many accepted tokens off every verification step that accepted some. `reround`
+    scales the target's final norm by 1 + reround * noise: its head picks other tokens at some positions, as another
+    kernel's rounding does, while every tap the draft reads stays as it was."""
 
-    def __init__(self, world, lose: int = 0, flip: dict | None = None):
-        self.world, self.lose, self.flip, self.jobs = world, lose, flip or {}, []
+    def __init__(self, world, lose: int = 0, flip: dict | None = None, reround: float = 0.0):
+        self.world, self.lose, self.flip, self.reround, self.jobs = world, lose, flip or {}, reround, []
 
     def __call__(self, job, log_path=None):
         self.jobs.append(job)
@@ -83,6 +86,10 @@ class FakeVllm:
                 (served / "config.json").write_text(json.dumps(conf))
                 interop.import_draft(served, native, target=str(w / "target"))
         _, _, _, t, draft, meta, _, eos = bench.prepare(str(w / "target"), str(native), cfg)
+        if self.reround:
+            norm = locate(t.model).norm.weight
+            with torch.no_grad():
+                norm.mul_(1 + self.reround * torch.randn(norm.shape, generator=torch.Generator().manual_seed(0)))
         prompts = [encode_prompt(t.tokenizer, c) for c in job.conversations]
         _, run, _ = bench.decoder_runner(t, draft, meta, cfg, torch.device("cpu"), eos, speculate=job.draft is not None)
         out = []
@@ -126,6 +133,20 @@ def test_a_faithful_engine_agrees_and_its_greedy_tokens_are_the_targets(world, m
     assert "within the tolerance of 5%" in sc.render(r)
 
 
+def test_on_the_engines_own_text_the_replayed_draft_counts_what_the_engine_counts(world, monkeypatch):
+    """An engine whose head rounds differently writes another greedy text, faithfully: its draft reads the same
+    taps. Acceptance on each side's own text then differs, but our draft replayed on the engine's text
+    (doctor/chain.py's walk, the text's next token as the target's choice) counts exactly what the engine
+    counted: the verdict is taken there."""
+    r = _check(world, monkeypatch, FakeVllm(world, reround=0.5))
+    # within what a prompt's last round may accept past the text's end (the replay cannot see there)
+    assert r["same_text"]["acceptance_length"] == pytest.approx(r["vllm"]["acceptance_length"], abs=0.05)
+    assert r["same_text"]["agree"] and r["ok"], sc.render(r)
+    assert not r["agreement"]["agree"] and abs(r["agreement"]["relative"]) > 0.2  # each side's own text
+    text = sc.render(r)
+    assert "eaglewire's draft replayed there" in text and "the gap above is in the texts each side wrote" in text
+
+
 def test_the_gpu_memory_share_reaches_every_served_job(world, monkeypatch):
     fake = FakeVllm(world)
     _check(world, monkeypatch, fake, wirings=sc.ALL, gpu_memory_utilization=0.3)
@@ -135,7 +156,9 @@ def test_the_gpu_memory_share_reaches_every_served_job(world, monkeypatch):
 def test_an_engine_that_accepts_less_fails_the_check(world, monkeypatch, tmp_path):
     r = _check(world, monkeypatch, FakeVllm(world, lose=1))
     assert not r["ok"] and not r["agreement"]["agree"] and r["agreement"]["relative"] > 0.05
-    assert "BEYOND the tolerance" in sc.render(r)
+    # its text is ours, so the replay there accepts what our decoder did, and the engine still falls short of it
+    assert r["same_text"]["acceptance_length"] == pytest.approx(r["ours"]["acceptance_length"], abs=0.05)
+    assert not r["same_text"]["agree"] and "BEYOND the tolerance" in sc.render(r)
 
 
 def test_greedy_tokens_that_change_with_the_draft_fail_unless_at_a_near_tie(world, monkeypatch):

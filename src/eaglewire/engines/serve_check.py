@@ -21,8 +21,10 @@ tap ids, its wirings, what it says it captured) is that engine's `Serving` class
 --speculative-num-steps / -eagle-topk / -num-draft-tokens and reports what SGLang resolved them to beside what
 `eaglewire doctor --engine-args` predicts (the seed incident's 16 draft tokens that ran as 2).
 
-Exit 1 when the two acceptance lengths differ by more than TOLERANCE; with vLLM also when its greedy tokens
-differ with and without the draft other than at a near-tie (with SGLang they are counted, not held to it).
+Each side writes its own greedy text, and in bf16 a flipped near-tie sends them apart, so acceptance is also
+counted on one text: our draft replayed on the engine's (fed our capture of the trained taps). Exit 1 when the
+engine's acceptance and that replay differ by more than TOLERANCE; with vLLM also when its greedy tokens differ
+with and without the draft other than at a near-tie (with SGLang they are counted, not held to it).
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ from . import sglang, vllm
 from .serve_report import plot, render  # the command's report (and the tests' reader of it)
 
 # Both run the same draft on the same prompts greedily, but in bf16 their kernels round differently: once a
-# near-tie flips, the two continue different texts, and over 20 MT-bench prompts acceptance length moves by a
-# few percent that way. A precision loss in one of them (a 7% gap was one) or a wiring fault (10% for a
-# one-layer shift on SmolLM2) is larger: 5% of acceptance length tells them apart.
+# near-tie flips, the two continue different texts, which moves acceptance length by a few percent on 20 MT-bench
+# prompts, more on a target full of near-ties. The verdict is therefore taken on the engine's own text (replayed),
+# where only the draft's inputs and each prompt's last round differ. A precision loss (a 7% gap was one) or a
+# wiring fault (10% for a one-layer shift on SmolLM2) is larger: 5% of acceptance length tells them apart.
 TOLERANCE = 0.05
 # A greedy token whose two most likely candidates lie closer than this (nats) is a near-tie: another kernel's
 # rounding can pick the other one, so a divergence there is reported, not failed.
@@ -273,6 +276,38 @@ def ours(target, native: Path, suite: str, max_prompts, max_new_tokens: int, cha
             "base": rows["base"], "spec": rows["spec"], "names": {k: r[0] for k, r in runs.items()}}
 
 
+def replayed(target: str, native: Path, input_ids: list[list[int]], texts: list[list[int]], chain: int,
+             device) -> list[dict]:
+    """eaglewire's draft replayed on the engine's own greedy text (doctor/chain.py): per prompt the counters the
+    engine reports, had it fed our draft our capture of the trained taps. Each side writes its own text, and a
+    near-tie flipped in bf16 sends them apart; on one text, what is left is what the draft was fed. A prompt's
+    last round is cut at the text's end, where a decoder may count drafts accepted past max_new_tokens."""
+    import torch
+
+    from ..bench.run import pick_device
+    from ..checkpoint import load_draft
+    from ..doctor import chain as walked
+    from ..doctor.probe_inputs import capture_states
+
+    dev = pick_device(device)
+    t = targets.load_target(target, dtype=targets.dtype_of(None, dev), device=dev)
+    draft, meta = load_draft(native, device=dev)
+    rows = []
+    for prompt, new in zip(input_ids, texts):
+        ids = torch.tensor(list(prompt) + list(new))
+        mask = torch.arange(ids.numel()) >= len(prompt)
+        st = capture_states(t.model, ids)
+        # the engine's greedy text is its target's choice at every position: a draft token counts when it is that
+        top = torch.cat([ids[1:], ids.new_full((1,), -1)])
+        tl = walked.tally(draft, torch.cat([st[k] for k in meta.contract.taps], -1), ids, mask, top, chain)
+        rows.append({"tokens": len(new), "seconds": 0.0, "drafts": tl.walk_rounds,
+                     "accepted": tl.walk_tokens - tl.walk_rounds, "accepted_per_pos": tl.walk_accepted.tolist()})
+    del t, draft
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the engine serves the wirings next, in the memory it finds free
+    return rows
+
+
 def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "mt-bench", max_prompts=20,
                 max_new_tokens: int = 256, chain: int | None = None, wirings=(), device=None,
                 gpu_memory_utilization: float | None = None, engine_args: str | None = None,
@@ -284,12 +319,7 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
     the keys of the engine's wirings to serve as well (WIRINGS), ALL for each it has, () for none. `progress`: called
     with the result so far once the draft is served and after each wiring, so that a machine lost mid-run leaves
     what it measured."""
-    spec, asked = speculative_args(engine_name, engine_args, target)
-    if asked is not None:
-        if chain is not None and chain != asked.num_steps:
-            raise UsageError(f"--chain {chain} and --engine-args (SGLang drafts {asked.num_steps} a step): give one")
-        chain = asked.num_steps
-    chain = 7 if chain is None else chain
+    spec, asked, chain = _chain_of(engine_name, engine_args, target, chain)
     eng = serving(engine_name, memory=gpu_memory_utilization, sglang_python=sglang_python, sglang_path=sglang_path,
                   spec=spec)
     found = eng.require()
@@ -316,6 +346,8 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
         log(f"eaglewire serve-check: {eng.label} with the draft: acceptance length "
             f"{_fmt(counts(eng.rows(spec_r, chain), chain)['acceptance_length'])}, eaglewire's "
             f"{_fmt(counts(mine['spec'], chain)['acceptance_length'])}")
+        log(f"eaglewire serve-check: eaglewire's draft replayed on {eng.label}'s text")
+        mine["replay"] = replayed(str(path), p.native, mine["input_ids"], eng.tokens(spec_r), chain, device)
         # the flags as served: serve-check adds the algorithm
         said = doctor_says(p.engine_dir, eng, p, engine_args and "--speculative-algorithm EAGLE3 " + engine_args)
 
@@ -336,6 +368,17 @@ def serve_check(draft, target: str, *, engine_name: str = "vllm", suite: str = "
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _chain_of(engine_name: str, engine_args: str | None, target: str, chain: int | None) -> tuple:
+    """(SGLang's speculative arguments, the doctor's resolution of them, the chain): --chain, or the steps
+    --engine-args resolve to, or 7."""
+    spec, asked = speculative_args(engine_name, engine_args, target)
+    if asked is not None:
+        if chain is not None and chain != asked.num_steps:
+            raise UsageError(f"--chain {chain} and --engine-args (SGLang drafts {asked.num_steps} a step): give one")
+        chain = asked.num_steps
+    return spec, asked, 7 if chain is None else chain
 
 
 def choose_wirings(eng, p: Prepared, wanted) -> list[dict]:
@@ -403,6 +446,7 @@ def result(eng, p: Prepared, mine: dict, plain: dict, spec: dict, alts: list, ch
            target, asked: dict | None = None) -> dict:
     e_plain, e_spec = eng.rows(plain, chain), eng.rows(spec, chain)
     agree = agreement(mine["spec"], e_spec)
+    same_text = {**counts(mine["replay"], chain), **agreement(mine["replay"], e_spec)}
     served = [a for a in alts if a["per_prompt"] is not None]
     for alt in alts:
         alt["vs_draft_ids"] = None
@@ -427,8 +471,8 @@ def result(eng, p: Prepared, mine: dict, plain: dict, spec: dict, alts: list, ch
                       if eng.name == "sglang" else {})},
         "speculation": speculation,
         "engine_args": asked,
-        "agreement": agree, "greedy": same, "wirings": alts,
-        "ok": agree["agree"] and same["ok"] and wired,
+        "agreement": agree, "same_text": same_text, "greedy": same, "wirings": alts,
+        "ok": same_text["agree"] and same["ok"] and wired,
     }
 
 

@@ -57,9 +57,12 @@ def _verdicts(r: dict, E: str, seen: dict | None) -> list[str]:
     if v.get("reported_accept_length") is not None:
         lines.append(f"SGLang's own spec_accept_length: {v['reported_accept_length']:.2f} (completion tokens / verify "
                      "steps: it counts the token the prefill wrote too)")
-    lines.append(f"acceptance length: eaglewire {a['difference']:+.3f} against {E} ({100 * a['relative']:+.1f}%, "
-                 f"interval {a['interval'][0]:+.3f}..{a['interval'][1]:+.3f} paired over prompts): "
-                 + ("within" if a["agree"] else "BEYOND") + f" the tolerance of {100 * a['tolerance']:.0f}%")
+    lines.append(f"acceptance length, each on its own text: eaglewire {_diff(a, E)}"
+                 + ("" if a["agree"] else " (reported; the verdict is on one text, below)"))
+    st = r["same_text"]
+    lines.append(f"acceptance length on {E}'s text: eaglewire's draft replayed there "
+                 f"{_f(st['acceptance_length'], '.3f')}, {_diff(st, E)}"
+                 + ("; the gap above is in the texts each side wrote" if st["agree"] and not a["agree"] else ""))
     bad = "MISMATCH" if g["must_match"] else "differ"
     lines.append(f"{E}'s greedy tokens with and without the draft: {g['identical']} of {g['prompts']} prompts "
                  f"identical" + (f", {len(g['near_ties'])} diverge at a near-tie" if g["near_ties"] else "")
@@ -84,6 +87,13 @@ def _verdicts(r: dict, E: str, seen: dict | None) -> list[str]:
                      + ("as SGLang resolved" if ask["doctor_agrees"] else "NOT what SGLang resolved"))
         lines += [f"  doctor: {x}" for x in d["overrides"]]
     return lines
+
+
+def _diff(a: dict, E: str) -> str:
+    """An agreement (serve_check.agreement) in words."""
+    return (f"{a['difference']:+.3f} against {E} ({100 * a['relative']:+.1f}%, interval {a['interval'][0]:+.3f}.."
+            f"{a['interval'][1]:+.3f} paired over prompts): " + ("within" if a["agree"] else "BEYOND")
+            + f" the tolerance of {100 * a['tolerance']:.0f}%")
 
 
 def _wirings(r: dict, E: str, seen: dict | None) -> list[str]:
