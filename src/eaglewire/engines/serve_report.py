@@ -147,8 +147,14 @@ def plot(r: dict, out) -> Path:
     fig = Figure(figsize=(10.5 if r["wirings"] else 6, 3.6), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 2, 1) if r["wirings"] else fig.add_subplot()
-    ax.bar([i - 0.2 for i in x], o, width=0.4, color="#4477aa", label=f"eaglewire ({r['ours']['acceptance_length']:.2f})")
-    ax.bar([i + 0.2 for i in x], v, width=0.4, color="#ee6677",
+    st = r.get("same_text")
+    w = 0.27 if st else 0.4
+    ax.bar([i - w / 2 - (w / 2 if st else 0) for i in x], o, width=w, color="#4477aa",
+           label=f"eaglewire ({r['ours']['acceptance_length']:.2f})")
+    if st:
+        ax.bar(x, st["rate_by_position"], width=w, color="#66ccee",
+               label=f"eaglewire on {E}'s text ({st['acceptance_length'] or 0:.2f})")
+    ax.bar([i + w / 2 + (w / 2 if st else 0) for i in x], v, width=w, color="#ee6677",
            label=f"{E} ({r[r['engine']]['acceptance_length'] or 0:.2f})")
     ax.set(xlabel="draft position", ylabel="accepted (share of steps)", ylim=(0, 1.05), xticks=x,
            title=f"{r['suite']['name']}: acceptance by position")
