@@ -300,8 +300,8 @@ def replayed(target: str, native: Path, input_ids: list[list[int]], texts: list[
         # the engine's greedy text is its target's choice at every position: a draft token counts when it is that
         top = torch.cat([ids[1:], ids.new_full((1,), -1)])
         tl = walked.tally(draft, torch.cat([st[k] for k in meta.contract.taps], -1), ids, mask, top, chain)
-        rows.append({"tokens": len(new), "seconds": 0.0, "drafts": tl.walk_rounds,
-                     "accepted": tl.walk_tokens - tl.walk_rounds, "accepted_per_pos": tl.walk_accepted.tolist()})
+        rows.append({"drafts": tl.walk_rounds, "accepted": tl.walk_tokens - tl.walk_rounds,
+                     "accepted_per_pos": tl.walk_accepted.tolist()})
     del t, draft
     if dev.type == "cuda":
         torch.cuda.empty_cache()  # the engine serves the wirings next, in the memory it finds free

@@ -128,10 +128,11 @@ def said(doctor: dict | None) -> str:
 
 def wiring_bars(r: dict) -> list[tuple[str, float | None]]:
     """The wirings' bars: each named by what the engine was given and what it read, or that it failed."""
+    E = r.get("engine_label") or r["engine"]
+
     def read(w):
         return (f"{E} failed" if w.get("failed") else f"taps {w['taps']}" if w["taps"] is not None
                 else "not a tap")
-    E = r.get("engine_label") or r["engine"]
     return [(f"the draft's ids: taps {r['draft']['taps']}", r[r["engine"]]["acceptance_length"])] + \
         [(f"{w['label'].split(':')[0].split(' (')[0]}: {read(w)}", w["acceptance_length"]) for w in r["wirings"]]
 
@@ -142,20 +143,17 @@ def plot(r: dict, out) -> Path:
     from matplotlib.figure import Figure
 
     E = r.get("engine_label") or r["engine"]
-    o, v = r["ours"]["rate_by_position"], r[r["engine"]]["rate_by_position"]
-    x = list(range(1, len(o) + 1))
+    st = r.get("same_text")  # absent from results written before the replay
+    series = [(r["ours"], "#4477aa", "eaglewire")] + ([(st, "#66ccee", f"eaglewire on {E}'s text")] if st else []) \
+        + [(r[r["engine"]], "#ee6677", E)]
+    x = list(range(1, len(r["ours"]["rate_by_position"]) + 1))
     fig = Figure(figsize=(10.5 if r["wirings"] else 6, 3.6), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 2, 1) if r["wirings"] else fig.add_subplot()
-    st = r.get("same_text")
-    w = 0.27 if st else 0.4
-    ax.bar([i - w / 2 - (w / 2 if st else 0) for i in x], o, width=w, color="#4477aa",
-           label=f"eaglewire ({r['ours']['acceptance_length']:.2f})")
-    if st:
-        ax.bar(x, st["rate_by_position"], width=w, color="#66ccee",
-               label=f"eaglewire on {E}'s text ({st['acceptance_length'] or 0:.2f})")
-    ax.bar([i + w / 2 + (w / 2 if st else 0) for i in x], v, width=w, color="#ee6677",
-           label=f"{E} ({r[r['engine']]['acceptance_length'] or 0:.2f})")
+    w = 0.8 / len(series)
+    for k, (s, color, name) in enumerate(series):
+        ax.bar([i + (k - (len(series) - 1) / 2) * w for i in x], s["rate_by_position"], width=w, color=color,
+               label=f"{name} ({s['acceptance_length'] or 0:.2f})")
     ax.set(xlabel="draft position", ylabel="accepted (share of steps)", ylim=(0, 1.05), xticks=x,
            title=f"{r['suite']['name']}: acceptance by position")
     ax.legend(fontsize=8)
