@@ -125,6 +125,9 @@ def test_a_faithful_engine_agrees_and_its_greedy_tokens_are_the_targets(world, m
     assert r["ours"]["acceptance_length"] == pytest.approx(r["vllm"]["acceptance_length"])
     assert r["ours"]["acceptance_length"] > 1.2  # the draft accepts: a comparison with something in it
     assert r["greedy"]["identical"] == 4 and r["engine_aux_layers"] == {"from": "config", "taps": list(TAPS)}
+    # on the engine's text the replay counts what the engine counted, each prompt's last round too: it runs on past
+    # the text's end, where the engine (vLLM, SGLang and our decoder alike) counts before it trims at the stop
+    assert [r["same_text"][k] for k in ("drafts", "accepted")] == [r["vllm"][k] for k in ("drafts", "accepted")]
     served = Path(fake.jobs[1].draft)  # exported to vLLM's format, ids in its convention
     assert served.name == "vllm" and json.loads((served / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
@@ -139,7 +142,7 @@ def test_on_the_engines_own_text_the_replayed_draft_counts_what_the_engine_count
     (doctor/chain.py's walk, the text's next token as the target's choice) counts exactly what the engine
     counted: the verdict is taken there."""
     r = _check(world, monkeypatch, FakeVllm(world, reround=0.5))
-    # within what a prompt's last round may accept past the text's end (the replay cannot see there)
+    # past the text's end the replay follows our target, whose head may pick other tokens than the engine's there
     assert r["same_text"]["acceptance_length"] == pytest.approx(r["vllm"]["acceptance_length"], abs=0.05)
     assert r["same_text"]["agree"] and r["ok"], sc.render(r)
     assert not r["agreement"]["agree"] and abs(r["agreement"]["relative"]) > 0.2  # each side's own text

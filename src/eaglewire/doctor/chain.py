@@ -64,13 +64,14 @@ class Runs(NamedTuple):
 
 @torch.no_grad()
 def run_lengths(draft, taps: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, top: torch.Tensor,
-                K: int) -> Runs:
+                K: int, reach: torch.Tensor | None = None) -> Runs:
     """Accepted run of a K-token greedy chain at every start: every position t whose token x_{t+1} and
     next x_{t+2} belong to the continuation (the turn's first token is the target's, from its prefill).
 
     `taps` (T, n*H) as the engine would feed them; `ids` (T,) the sequence; `mask` (T,) bool:
     continuation tokens. `top` (T,) is the target's argmax at each position (predicting the next
-    token). -> Runs.
+    token). `reach` (T,) bool, default `mask`: where a run may go on; past the continuation's end, the
+    tokens the target writes next, which an engine's last round accepts before it trims the text. -> Runs.
     """
     dev = draft.fc.weight.device
     T = ids.numel()
@@ -78,6 +79,7 @@ def run_lengths(draft, taps: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
     ids_p = torch.cat([ids, ids.new_zeros(pad)]).to(dev)
     top_p = torch.cat([top, top.new_full((pad,), -1)]).to(dev)
     m_p = torch.cat([mask, mask.new_zeros(pad)]).to(dev)
+    r_p = m_p if reach is None else torch.cat([reach, reach.new_zeros(pad)]).to(dev)
     pos = torch.arange(T, device=dev)
     starts = m_p[pos + 1] & m_p[pos + 2]  # x_{t+1} was committed in the continuation, x_{t+2} is drafted
     runs = torch.zeros(T, dtype=torch.long, device=dev)
@@ -97,7 +99,7 @@ def run_lengths(draft, taps: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
     for k in range(1, K):
         live, h_live = live[hit], h_live[hit]  # the chains whose steps < k all hit
         runs[live] += 1
-        more = m_p[live + 2 + k]  # the token step k predicts is still a continuation token
+        more = r_p[live + 2 + k]  # the token step k predicts is still one the run may reach
         live, h_live = live[more], h_live[more]
         if live.numel() == 0:
             return Runs(starts.cpu(), runs.cpu(), reached, kept, *ll)
@@ -128,8 +130,8 @@ def walk(starts: torch.Tensor, runs: torch.Tensor) -> list[int]:
     return out
 
 
-def tally(draft, taps, ids, mask, top, K: int) -> Tally:
-    starts, runs, reached, kept, loglik, loglik_n = run_lengths(draft, taps, ids, mask, top, K)
+def tally(draft, taps, ids, mask, top, K: int, reach=None) -> Tally:
+    starts, runs, reached, kept, loglik, loglik_n = run_lengths(draft, taps, ids, mask, top, K, reach)
     rounds = walk(starts, runs)
     accepted = torch.zeros(K, dtype=torch.long)
     for n in rounds:

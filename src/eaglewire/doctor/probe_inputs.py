@@ -130,6 +130,17 @@ def _encode_prompt(tok, messages: list[dict]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def continuation(model, input_ids: torch.Tensor, n: int) -> list[int]:
+    """The target's next n greedy tokens after a sequence, through any stop token: what an engine's last round
+    verifies past the end of the text it returns."""
+    dev = next(model.parameters()).device
+    ids = input_ids.to(dev)
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids[None]).logits[0, -1].argmax(-1, keepdim=True)])
+    return ids[input_ids.numel():].tolist()
+
+
+@torch.no_grad()
 def capture_states(model, input_ids: torch.Tensor) -> dict:
     """Every tap 0..N, the post-norm final state and the target's argmax of one sequence:
     {k: (T, H), FINAL: (T, H), "top": (T,)}, on the CPU in the target's dtype."""

@@ -49,8 +49,8 @@ from .serve_report import plot, render  # the command's report (and the tests' r
 # Both run the same draft on the same prompts greedily, but in bf16 their kernels round differently: once a
 # near-tie flips, the two continue different texts, which moves acceptance length by a few percent on 20 MT-bench
 # prompts, more on a target full of near-ties. The verdict is therefore taken on the engine's own text (replayed),
-# where only the draft's inputs and each prompt's last round differ. A precision loss (a 7% gap was one) or a
-# wiring fault (10% for a one-layer shift on SmolLM2) is larger: 5% of acceptance length tells them apart.
+# where only the draft's inputs differ. A precision loss (a 7% gap was one) or a wiring fault (10% for a one-layer
+# shift on SmolLM2) is larger: 5% of acceptance length tells them apart.
 TOLERANCE = 0.05
 # A greedy token whose two most likely candidates lie closer than this (nats) is a near-tie: another kernel's
 # rounding can pick the other one, so a divergence there is reported, not failed.
@@ -280,26 +280,32 @@ def replayed(target: str, native: Path, input_ids: list[list[int]], texts: list[
              device) -> list[dict]:
     """eaglewire's draft replayed on the engine's own greedy text (doctor/chain.py): per prompt the counters the
     engine reports, had it fed our draft our capture of the trained taps. Each side writes its own text, and a
-    near-tie flipped in bf16 sends them apart; on one text, what is left is what the draft was fed. A prompt's
-    last round is cut at the text's end, where a decoder may count drafts accepted past max_new_tokens."""
+    near-tie flipped in bf16 sends them apart; on one text, what is left is what the draft was fed.
+
+    A prompt's last round runs on past the text's end, into our target's greedy continuation: both engines count
+    the drafts it accepts there before they trim the text at its stop (vLLM 0.26.0 v1/core/sched/scheduler.py:1687
+    before :1724; SGLang 0.5.17 managers/scheduler_components/batch_result_processor.py:685-689 before :859-864)."""
     import torch
 
     from ..bench.run import pick_device
     from ..checkpoint import load_draft
     from ..doctor import chain as walked
-    from ..doctor.probe_inputs import capture_states
+    from ..doctor.probe_inputs import capture_states, continuation
 
     dev = pick_device(device)
     t = targets.load_target(target, dtype=targets.dtype_of(None, dev), device=dev)
     draft, meta = load_draft(native, device=dev)
     rows = []
     for prompt, new in zip(input_ids, texts):
-        ids = torch.tensor(list(prompt) + list(new))
-        mask = torch.arange(ids.numel()) >= len(prompt)
+        text = torch.tensor(list(prompt) + list(new))
+        ids = torch.cat([text, torch.tensor(continuation(t.model, text, chain), dtype=text.dtype)])
+        pos = torch.arange(ids.numel())
+        reach = pos >= len(prompt)  # rounds start in the engine's text and may run past its end
         st = capture_states(t.model, ids)
         # the engine's greedy text is its target's choice at every position: a draft token counts when it is that
         top = torch.cat([ids[1:], ids.new_full((1,), -1)])
-        tl = walked.tally(draft, torch.cat([st[k] for k in meta.contract.taps], -1), ids, mask, top, chain)
+        tl = walked.tally(draft, torch.cat([st[k] for k in meta.contract.taps], -1), ids, reach & (pos < len(text)),
+                          top, chain, reach)
         rows.append({"drafts": tl.walk_rounds, "accepted": tl.walk_tokens - tl.walk_rounds,
                      "accepted_per_pos": tl.walk_accepted.tolist()})
     del t, draft
