@@ -1,18 +1,20 @@
 """Tokens/s of the real engine (vLLM or SGLang) without and with an EAGLE-3 draft, by requests in flight at once.
 
     python benchmarks/engine_speed.py --target T --draft DIR --engine vllm|sglang [--suite mt-bench] [--prompts 32]
-        [--new-tokens 256] [--chain 7] [--concurrency 1,4,16] [--gpu-memory-utilization 0.5] [--json OUT]
-        [--plot OUT.png] [--sglang-python PY] [--sglang-path DIR]
+        [--new-tokens 256] [--chain 7 | --chain 3,5,7] [--concurrency 1,4,16] [--gpu-memory-utilization 0.5]
+        [--json OUT] [--plot OUT.png] [--sglang-python PY] [--sglang-path DIR]
 
-What it measures. Two engine runs, each in its own process, on the same prompts, greedy: the target alone, then
-the target with the draft, served as `eaglewire serve-check` serves it (a native checkpoint exported to the
-engine's format, a chain of --chain draft tokens; an engine export as it is). In each run, after a warm-up, for
+What it measures. Engine runs, each in its own process, on the same prompts, greedy: the target alone, then the
+target with the draft, served as `eaglewire serve-check` serves it (a native checkpoint exported to the engine's
+format, a chain of --chain draft tokens; an engine export as it is), once for each chain length --chain lists. A
+draft round costs more with each draft token and earns less from the later ones: the sweep finds the length that
+is fastest on this target, at each load. In each run, after a warm-up, for
 each c of --concurrency the prompts go to the engine in consecutive calls of c prompts (the engine's batch API:
 c requests at once), each call timed around the engine's call alone (engines/vllm.py, engines/sglang_worker.py:
 Job.concurrency). Per c:
 - tokens/s = the new tokens of all its calls / their seconds: what c concurrent requests get out of the GPU
   together (at c = 1 also a request's own speed);
-- speed-up = tokens/s with the draft / without, at the same c;
+- speed-up = tokens/s with the draft / without, at the same c (one run without the draft serves every chain);
 - acceptance length = 1 + accepted draft tokens / verification steps, from the engine's own counters over the
   with-draft calls at that c, computed as serve-check computes it.
 
@@ -59,10 +61,22 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(cs))
 
 
+def parse_chains(text: str) -> tuple[int, ...]:
+    """--chain: one draft length, or several comma-separated (a sweep), each >= 1, order kept, repeats dropped."""
+    try:
+        ks = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        ks = []
+    if not ks or any(k < 1 for k in ks):
+        raise UsageError(f"--chain {text}: give draft tokens a step, integers >= 1 (e.g. --chain 7 or --chain 3,5,7)")
+    return tuple(dict.fromkeys(ks))
+
+
 def measure(target: str, draft, engine: str, *, suite: str = "mt-bench", prompts: int = 32, new_tokens: int = 256,
-            chain: int = 7, concurrency: tuple[int, ...] = CONCURRENCY, memory: float | None = None,
+            chains: tuple[int, ...] = (7,), concurrency: tuple[int, ...] = CONCURRENCY, memory: float | None = None,
             sglang_python: str | None = None, sglang_path: str | None = None, log=say) -> dict:
-    """Both runs (without, with the draft), each with `concurrency`; -> the JSON-ready result (`result`)."""
+    """The run without the draft and one with it per chain length, each with `concurrency`; -> the JSON-ready
+    result (`result`)."""
     eng = serve_check.serving(engine, memory=memory, sglang_python=sglang_python, sglang_path=sglang_path)
     if prompts < max(concurrency):
         raise UsageError(f"--prompts {prompts}: fewer than the largest concurrency {max(concurrency)}; give "
@@ -78,43 +92,52 @@ def measure(target: str, draft, engine: str, *, suite: str = "mt-bench", prompts
         raise UsageError(f"--suite {suite}: {len(convs)} prompts, fewer than the largest concurrency "
                          f"{max(concurrency)}; give a larger suite or a smaller --concurrency")
     with tempfile.TemporaryDirectory(prefix="engine-speed-") as work:
-        p = serve_check.prepare_draft(draft, target, Path(work), chain, eng)
+        # every export before any engine starts: a draft the engine cannot take fails in seconds, not runs later
+        served = {k: serve_check.prepare_draft(draft, target, Path(work) / f"chain-{k}", k, eng) for k in chains}
+        p = served[chains[0]]
         log(f"the draft {p.how}; {eng.label} will capture taps {list(p.taps)}")
-        runs = {}
-        for name, d in (("without", None), ("with", p.engine_dir)):
-            log(f"{eng.label} {name} the draft: {len(convs)} prompts at concurrency "
-                f"{', '.join(map(str, concurrency))}")
-            runs[name] = eng.run(str(path), conversations=convs, input_ids=None, max_new_tokens=new_tokens,
-                                 chain=chain, draft=None if d is None else str(d), concurrency=concurrency)
-    r = result(eng, runs, chain, concurrency)
+        at = f"{len(convs)} prompts at concurrency {', '.join(map(str, concurrency))}"
+        log(f"{eng.label} without the draft: {at}")
+        plain = eng.run(str(path), conversations=convs, input_ids=None, max_new_tokens=new_tokens, chain=chains[0],
+                        draft=None, concurrency=concurrency)
+        spec = {}
+        for k, q in served.items():
+            log(f"{eng.label} with the draft, a chain of {k}: {at}")
+            spec[k] = eng.run(str(path), conversations=convs, input_ids=None, max_new_tokens=new_tokens, chain=k,
+                              draft=str(q.engine_dir), concurrency=concurrency)
+    r = result(eng, plain, spec, concurrency)
     r.update(target=target, suite=sp.summary(), draft={"given": str(draft), "how": p.how, "taps": list(p.taps)},
-             settings={"prompts": len(convs), "new_tokens": new_tokens, "chain": chain,
+             settings={"prompts": len(convs), "new_tokens": new_tokens, "chains": list(chains),
                        "concurrency": list(concurrency), "memory_share": memory, "greedy": True,
                        "engine_cuda_graphs": True})
     return r
 
 
-def result(eng, runs: dict, chain: int, concurrency: tuple[int, ...]) -> dict:
-    """The per-c rows of the two runs side by side, the acceptance from the with-draft counters (serve-check's
-    `counts` over the engine's counters, read by its Serving class)."""
-    plain = {r["c"]: r for r in eng.concurrency_rows(runs["without"], chain)}
-    spec = {r["c"]: r for r in eng.concurrency_rows(runs["with"], chain)}
-    limits = {k: eng.running_limit(v) for k, v in runs.items()}
+def result(eng, plain_run: dict, spec_runs: dict, concurrency: tuple[int, ...]) -> dict:
+    """A row per chain length and c: the run without the draft beside that chain's run, the acceptance from its
+    counters (serve-check's `counts` over the engine's counters, read by its Serving class)."""
+    first = next(iter(spec_runs))
+    plain = {r["c"]: r for r in eng.concurrency_rows(plain_run, first)}
+    limits = {"without": eng.running_limit(plain_run)} | {f"with, chain {k}": eng.running_limit(v)
+                                                          for k, v in spec_runs.items()}
     rows = []
-    for c in concurrency:
-        w, s = plain[c], spec[c]
-        tw, ts = serve_check.speed([w]), serve_check.speed([s])  # a row's tokens over its seconds
-        acc = serve_check.counts([s["counters"]], chain) if s["counters"] else None
-        # an engine that runs fewer than c at once measures that many, not c: said beside the row
-        capped = min((v for v in limits.values() if v is not None and v < c), default=None)
-        rows.append({"c": c, "calls": s["calls"], "tokens_per_s_without": tw, "tokens_per_s_with": ts,
-                     "speedup": ts / tw if tw and ts else None,
-                     "acceptance_length": acc["acceptance_length"] if acc else None,
-                     "rate_by_position": acc["rate_by_position"] if acc else None,
-                     "engine_ran_at_most": capped, "without": w, "with": s})
-    return {"eaglewire_engine_speed": 1, "engine": eng.name, "engine_label": eng.label,
-            "engine_version": eng.version(runs["with"]), "engine_limits": limits,
-            "engine_resolved": runs["with"].get("resolved"), "rows": rows}
+    for k, run in spec_runs.items():
+        spec = {r["c"]: r for r in eng.concurrency_rows(run, k)}
+        lim = (limits["without"], limits[f"with, chain {k}"])
+        for c in concurrency:
+            w, s = plain[c], spec[c]
+            tw, ts = serve_check.speed([w]), serve_check.speed([s])  # a row's tokens over its seconds
+            acc = serve_check.counts([s["counters"]], k) if s["counters"] else None
+            # an engine that runs fewer than c at once measures that many, not c: said beside the row
+            capped = min((v for v in lim if v is not None and v < c), default=None)
+            rows.append({"chain": k, "c": c, "calls": s["calls"], "tokens_per_s_without": tw, "tokens_per_s_with": ts,
+                         "speedup": ts / tw if tw and ts else None,
+                         "acceptance_length": acc["acceptance_length"] if acc else None,
+                         "rate_by_position": acc["rate_by_position"] if acc else None,
+                         "engine_ran_at_most": capped, "without": w, "with": s})
+    return {"eaglewire_engine_speed": 2, "engine": eng.name, "engine_label": eng.label,
+            "engine_version": eng.version(spec_runs[first]), "engine_limits": limits,
+            "engine_resolved": {str(k): v.get("resolved") for k, v in spec_runs.items()}, "rows": rows}
 
 
 def _f(x, fmt: str) -> str:
@@ -123,39 +146,55 @@ def _f(x, fmt: str) -> str:
 
 def render(r: dict) -> str:
     E, s = r["engine_label"], r["settings"]
+    ks, sweep = s["chains"], len(s["chains"]) > 1
     lines = [f"{E} {r['engine_version']}, {r['target']}, draft {r['draft']['given']} ({r['draft']['how']}): "
-             f"{r['suite']['name']}, {s['prompts']} prompts, {s['new_tokens']} new tokens, greedy, chain of "
-             f"{s['chain']}", "",
-             "| c | tokens/s without | tokens/s with | speed-up | acceptance length |",
-             "|---:|---:|---:|---:|---:|"]
+             f"{r['suite']['name']}, {s['prompts']} prompts, {s['new_tokens']} new tokens, greedy, chain"
+             f"{'s' if sweep else ''} of {', '.join(map(str, ks))}", "",
+             "| " + "chain | " * sweep + "c | tokens/s without | tokens/s with | speed-up | acceptance length |",
+             "|" + "---:|" * sweep + "---:|---:|---:|---:|---:|"]
     for x in r["rows"]:
-        lines.append(f"| {x['c']} | {_f(x['tokens_per_s_without'], '.1f')} | {_f(x['tokens_per_s_with'], '.1f')} | "
-                     f"{_f(x['speedup'], '.2f')}x | {_f(x['acceptance_length'], '.2f')} |")
-    for x in r["rows"]:
-        if x["engine_ran_at_most"] is not None:
-            lines.append(f"\nc = {x['c']}: {E} ran at most {x['engine_ran_at_most']} requests at once")
-    return "\n".join(lines)
+        lines.append("| " + f"{x['chain']} | " * sweep + f"{x['c']} | {_f(x['tokens_per_s_without'], '.1f')} | "
+                     f"{_f(x['tokens_per_s_with'], '.1f')} | {_f(x['speedup'], '.2f')}x | "
+                     f"{_f(x['acceptance_length'], '.2f')} |")
+    notes = []
+    for c in dict.fromkeys(x["c"] for x in r["rows"]):
+        measured = [x for x in r["rows"] if x["c"] == c and x["speedup"] is not None]
+        if sweep and measured:
+            top = max(measured, key=lambda x: x["speedup"])
+            notes.append(f"c = {c}: a chain of {top['chain']} gave the highest speed-up measured, "
+                         f"{top['speedup']:.2f}x (one run each)")
+        capped = [x["engine_ran_at_most"] for x in r["rows"] if x["c"] == c and x["engine_ran_at_most"] is not None]
+        if capped:
+            notes.append(f"c = {c}: {E} ran at most {min(capped)} requests at once")
+    return "\n".join(lines + [""] * bool(notes) + notes)
 
 
 def plot(r: dict, out) -> Path:
-    """PNG: tokens/s without and with the draft against c, and the speed-up against c (1 = no gain)."""
+    """PNG: tokens/s without and with the draft against c, and the speed-up against c (1 = no gain), a line per
+    chain length."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    cs = [x["c"] for x in r["rows"]]
+    ks = r["settings"]["chains"]
+    cs = list(dict.fromkeys(x["c"] for x in r["rows"]))
     nan = lambda v: float("nan") if v is None else v  # noqa: E731  a missing point is a gap, not a zero
     fig = Figure(figsize=(10.5, 3.8), dpi=120)
     FigureCanvasAgg(fig)
     ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    ax.plot(cs, [nan(x["tokens_per_s_without"]) for x in r["rows"]], "o-", color="#777777", label="without the draft")
-    ax.plot(cs, [nan(x["tokens_per_s_with"]) for x in r["rows"]], "o-", color="#4477aa", label="with the draft")
-    bx.plot(cs, [nan(x["speedup"]) for x in r["rows"]], "o-", color="#228833")
+    first = [x for x in r["rows"] if x["chain"] == ks[0]]
+    ax.plot(cs, [nan(x["tokens_per_s_without"]) for x in first], "o-", color="#777777", label="without the draft")
+    colours = ["#4477aa", "#228833", "#ee6677", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb"]
+    for i, k in enumerate(ks):
+        rows, colour = [x for x in r["rows"] if x["chain"] == k], colours[i % len(colours)]
+        label = "with the draft" if len(ks) == 1 else f"with the draft, chain of {k}"
+        ax.plot(cs, [nan(x["tokens_per_s_with"]) for x in rows], "o-", color=colour, label=label)
+        bx.plot(cs, [nan(x["speedup"]) for x in rows], "o-", color=colour, label=f"chain of {k}")
+        for x in rows:
+            if x["speedup"] is not None and x["acceptance_length"] is not None:
+                bx.annotate(f"accept {x['acceptance_length']:.2f}", (x["c"], x["speedup"]),
+                            textcoords="offset points", xytext=(4, 4), fontsize=8, color=colour)
     bx.axhline(1.0, linestyle="--", color="#777777")
     bx.margins(x=0.15)  # room for the last point's label
-    for x in r["rows"]:
-        if x["speedup"] is not None and x["acceptance_length"] is not None:
-            bx.annotate(f"accept {x['acceptance_length']:.2f}", (x["c"], x["speedup"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
     for a in (ax, bx):
         a.set_xscale("log", base=2)
         a.set_xticks(cs)
@@ -163,7 +202,9 @@ def plot(r: dict, out) -> Path:
         a.set_xlabel("requests at once (c)")
     ax.set(ylabel="tokens/s (all requests)", title=f"{r['engine_label']} {r['engine_version']}: {r['suite']['name']}")
     ax.legend(fontsize=8)
-    bx.set(ylabel="speed-up (with / without)", title=f"chain of {r['settings']['chain']}")
+    bx.set(ylabel="speed-up (with / without)", title="chain of " + ", ".join(map(str, ks)))
+    if len(ks) > 1:
+        bx.legend(fontsize=8)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +238,8 @@ def main(argv=None) -> int:
                    help="prompts in each run (default 32; at least the largest c)")
     p.add_argument("--new-tokens", type=cli_args.positive_int, default=256, metavar="M",
                    help="new tokens a request at most (default 256)")
-    p.add_argument("--chain", type=cli_args.positive_int, default=7, metavar="K", help="draft tokens a step (default 7)")
+    p.add_argument("--chain", default="7", metavar="K[,K...]",
+                   help="draft tokens a step (default 7); several, comma-separated, serve one run each (a sweep)")
     p.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)), metavar="C,...",
                    help="requests at once, comma-separated (default 1,4,16)")
     cli_args.add_gpu_memory(p, help="the share of the GPU's memory the engine takes (vLLM's gpu_memory_utilization, "
@@ -209,7 +251,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         r = measure(a.target, a.draft, a.engine, suite=a.suite, prompts=a.prompts, new_tokens=a.new_tokens,
-                    chain=a.chain, concurrency=parse_concurrency(a.concurrency), memory=a.gpu_memory_utilization,
+                    chains=parse_chains(a.chain), concurrency=parse_concurrency(a.concurrency),
+                    memory=a.gpu_memory_utilization,
                     sglang_python=a.sglang_python, sglang_path=a.sglang_path)
     except EaglewireError as e:
         say(f"error: {e}")

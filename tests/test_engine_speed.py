@@ -46,9 +46,10 @@ def world(tmp_path_factory):
     return d
 
 
-def seconds(n: int, draft: bool) -> float:
-    """A call of n requests of NEW tokens: NEW plain steps, or NEW / 3 verify steps, each dearer with n."""
-    return NEW * (0.010 + 0.001 * n) if not draft else NEW / (1 + ACCEPTED) * (0.012 + 0.004 * n)
+def seconds(n: int, draft: bool, k: int = K) -> float:
+    """A call of n requests of NEW tokens: NEW plain steps, or NEW / 3 verify steps, each dearer with n and with
+    the chain's length k (its acceptance stays ACCEPTED: the draft tokens past it earn nothing)."""
+    return NEW * (0.010 + 0.001 * n) if not draft else NEW / (1 + ACCEPTED) * (0.012 + 0.004 * n + 0.002 * (k - K))
 
 
 class FakeEngines:
@@ -66,7 +67,7 @@ class FakeEngines:
             steps = len(chunk) * NEW // (1 + ACCEPTED) if job.draft else 0
             counters = {"drafts": steps, "draft_tokens": steps * job.num_speculative_tokens,
                         "accepted": steps * ACCEPTED, "accepted_per_pos": [steps] * ACCEPTED + [0]}
-            return seconds(len(chunk), job.draft is not None), len(chunk) * NEW, counters
+            return seconds(len(chunk), job.draft is not None, job.num_speculative_tokens), len(chunk) * NEW, counters
 
         return {"vllm_version": "fake", "prompts": [], "max_num_seqs": vllm.max_num_seqs(job),
                 "concurrency": sweep(job.conversations, job.concurrency, call), "aux_layers": None, "log_tail": []}
@@ -79,7 +80,7 @@ class FakeEngines:
             meta = {"completion_tokens": len(chunk) * NEW, "spec_verify_ct": steps,
                     "spec_num_correct_drafts": steps * ACCEPTED, "spec_num_proposed_drafts": steps * job.num_steps,
                     "spec_correct_drafts_histogram": [0, 0, steps]} if job.draft else None
-            return seconds(len(chunk), job.draft is not None), len(chunk) * NEW, meta
+            return seconds(len(chunk), job.draft is not None, job.num_steps), len(chunk) * NEW, meta
 
         return {"sglang_version": "fake", "resolved": {"speculative_num_steps": job.num_steps}, "prompts": [],
                 "seconds": None, "hooks": [], "max_running_requests": self.sglang_limit,
@@ -139,6 +140,35 @@ def test_both_runs_carry_the_sweep_and_the_table_pairs_them(world, monkeypatch, 
     assert "engine_speed: " in err and "with the draft" in err  # progress on stderr
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_chain_sweep_serves_one_run_per_length_beside_one_run_without(world, monkeypatch, tmp_path, capsys, engine):
+    fake = _faked(monkeypatch, FakeEngines())
+    argv = _argv(world, engine, "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"))
+    argv[argv.index("--chain") + 1] = "2,4"
+    assert engine_speed.main(argv) == 0
+    out = capsys.readouterr().out
+    jobs = [j for _, j in fake.jobs]
+    assert [j.draft is None for j in jobs] == [True, False, False]  # the run without the draft serves both
+    if engine == "vllm":
+        assert [j.num_speculative_tokens for j in jobs[1:]] == [2, 4]
+    else:  # exported once per length: SGLang's steps travel with the export
+        assert [(j.num_steps, j.num_draft_tokens) for j in jobs[1:]] == [(2, 3), (4, 5)]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["settings"]["chains"] == [2, 4] and [(x["chain"], x["c"]) for x in r["rows"]] == [
+        (k, c) for k in (2, 4) for c in (1, 4, 16)]
+    by = {(x["chain"], x["c"]): x for x in r["rows"]}
+    for c in (1, 4, 16):
+        # one run without the draft under both lengths; the longer chain's verify steps cost more for nothing
+        assert by[2, c]["tokens_per_s_without"] == by[4, c]["tokens_per_s_without"]
+        assert by[2, c]["speedup"] > by[4, c]["speedup"] and by[2, c]["acceptance_length"] == pytest.approx(3)
+    assert by[2, 1]["speedup"] == pytest.approx(3 * 0.011 / 0.014)
+    table = [ln for ln in out.splitlines() if ln.startswith("|")]
+    assert table[0].startswith("| chain | c | tokens/s without") and len(table) == 8
+    assert table[2].startswith("| 2 | 1 |")
+    assert f"c = 1: a chain of 2 gave the highest speed-up measured, {by[2, 1]['speedup']:.2f}x" in out
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_an_engine_that_runs_fewer_than_c_at_once_is_named_beside_the_row(world, monkeypatch, capsys):
     _faked(monkeypatch, FakeEngines(sglang_limit=8))
     assert engine_speed.main(_argv(world, "sglang")) == 0
@@ -149,6 +179,7 @@ def test_an_engine_that_runs_fewer_than_c_at_once_is_named_beside_the_row(world,
 @pytest.mark.parametrize("flags, says", [
     (["--engine", "tgi"], "--engine 'tgi': one of vllm, sglang"),
     (["--concurrency", "1,0,16"], "--concurrency 1,0,16: give integers >= 1"),
+    (["--chain", "3,0"], "--chain 3,0: give draft tokens a step, integers >= 1"),
     (["--prompts", "8"], "--prompts 8: fewer than the largest concurrency 16"),
     (["--draft", "NOWHERE"], "--draft NOWHERE: no config.json"),
 ])
