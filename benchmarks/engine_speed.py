@@ -27,7 +27,9 @@ finish early idle until it ends: tokens/s at c > 1 is below what a server that r
 both runs alike. Needs --prompts >= the largest c; use a few times that, so each c has several calls.
 
 Prints a markdown table on stdout, progress on stderr; --json writes the settings, the machine, the engine's
-version and limits and the per-c rows; --plot a PNG of tokens/s and the speed-up against c.
+version and limits and a row per chain length and c; --plot a PNG of tokens/s and the speed-up against c, a line per
+chain length. With several lengths the table names the one with the highest speed-up measured at each c: one run
+each, so a close second may be noise.
 """
 
 from __future__ import annotations
