@@ -52,26 +52,24 @@ def say(msg: str) -> None:
     print(f"engine_speed: {msg}", file=sys.stderr, flush=True)
 
 
-def parse_concurrency(text: str) -> tuple[int, ...]:
-    """--concurrency: comma-separated integers >= 1, as given (order kept, repeats dropped)."""
+def positive_ints(flag: str, text: str, means: str, example: str) -> tuple[int, ...]:
+    """A flag's comma-separated integers >= 1, as given (order kept, repeats dropped); else its one-line error."""
     try:
-        cs = [int(x) for x in text.split(",") if x.strip()]
+        ns = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
-        cs = []
-    if not cs or any(c < 1 for c in cs):
-        raise UsageError(f"--concurrency {text}: give integers >= 1, comma-separated (e.g. --concurrency 1,4,16)")
-    return tuple(dict.fromkeys(cs))
+        ns = []
+    if not ns or any(n < 1 for n in ns):
+        raise UsageError(f"{flag} {text}: give {means}integers >= 1, comma-separated (e.g. {flag} {example})")
+    return tuple(dict.fromkeys(ns))
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    return positive_ints("--concurrency", text, "", "1,4,16")
 
 
 def parse_chains(text: str) -> tuple[int, ...]:
-    """--chain: one draft length, or several comma-separated (a sweep), each >= 1, order kept, repeats dropped."""
-    try:
-        ks = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        ks = []
-    if not ks or any(k < 1 for k in ks):
-        raise UsageError(f"--chain {text}: give draft tokens a step, integers >= 1 (e.g. --chain 7 or --chain 3,5,7)")
-    return tuple(dict.fromkeys(ks))
+    """--chain: one draft length, or several (a sweep)."""
+    return positive_ints("--chain", text, "draft tokens a step, ", "3,5,7")
 
 
 def measure(target: str, draft, engine: str, *, suite: str = "mt-bench", prompts: int = 32, new_tokens: int = 256,
