@@ -7,8 +7,8 @@
 What it measures. Engine runs, each in its own process, on the same prompts, greedy: the target alone, then the
 target with the draft, served as `eaglewire serve-check` serves it (a native checkpoint exported to the engine's
 format, a chain of --chain draft tokens; an engine export as it is), once for each chain length --chain lists. A
-draft round costs more with each draft token and earns less from the later ones: the sweep finds the length that
-is fastest on this target, at each load. In each run, after a warm-up, for
+draft round costs more with each draft token and earns less from the later ones: the sweep shows which length is
+fastest on this target, at each load. In each run, after a warm-up, for
 each c of --concurrency the prompts go to the engine in consecutive calls of c prompts (the engine's batch API:
 c requests at once), each call timed around the engine's call alone (engines/vllm.py, engines/sglang_worker.py:
 Job.concurrency). Per c:
@@ -118,12 +118,13 @@ def result(eng, plain_run: dict, spec_runs: dict, concurrency: tuple[int, ...]) 
     counters (serve-check's `counts` over the engine's counters, read by its Serving class)."""
     first = next(iter(spec_runs))
     plain = {r["c"]: r for r in eng.concurrency_rows(plain_run, first)}
-    limits = {"without": eng.running_limit(plain_run)} | {f"with, chain {k}": eng.running_limit(v)
-                                                          for k, v in spec_runs.items()}
+    plain_limit = eng.running_limit(plain_run)
+    limits = {"without": plain_limit}
     rows = []
     for k, run in spec_runs.items():
         spec = {r["c"]: r for r in eng.concurrency_rows(run, k)}
-        lim = (limits["without"], limits[f"with, chain {k}"])
+        lim = (plain_limit, eng.running_limit(run))
+        limits[f"with, chain {k}"] = lim[1]
         for c in concurrency:
             w, s = plain[c], spec[c]
             tw, ts = serve_check.speed([w]), serve_check.speed([s])  # a row's tokens over its seconds
