@@ -1,15 +1,19 @@
 """Acceptance length against the data a draft trained on: where more data stops paying.
 
-    python benchmarks/data_curve.py --target T --data DATAGEN_DIR --out DIR
+    python benchmarks/data_curve.py --target T (--data DATAGEN_DIR | --replies FILE [FILE ...]) --out DIR
         [--fractions 0.0625,0.125,0.25,0.5,1] [--suites mt-bench,humaneval] [--prompts 80] [--new-tokens 256]
         [--chain 7] [--device cuda] [--set FIELD=VALUE ...]
 
-Each point is a fresh draft trained on the first share of one dataset's training split (an `eaglewire datagen`
-directory). All points use `recipe full`'s training settings, the same number of passes (`--set epochs=N`,
-default 1) and no time budget. The shares are nested: a larger point's samples hold a smaller point's. The
-held-out split is taken before the cut, so every point holds out the same samples. The draft's vocabulary is
-counted over its own samples only. So a point answers one question: what does a draft trained on this much
-data accept?
+Each point is a fresh draft trained on the first share of one dataset's training split: an `eaglewire datagen`
+directory (--data: the taps read from disk), or conversation files with their replies (--replies: online, the
+target computes the taps as each point trains, nothing on disk; e.g. the regenerated.jsonl of `eaglewire recipe
+full --mode replies`, whose replies are the target's own). Offline data takes a few KB a token on disk (3.4 KB
+for SmolLM2's taps in bf16), so a curve over tens of millions of tokens runs online. The replies are encoded once
+and every point trains on that encoding; a rerun loads the target to count their tokens again. All points use
+`recipe full`'s training settings, the same number of passes (`--set epochs=N`, default 1) and no time budget.
+The shares are nested: a larger point's samples hold a smaller point's. The held-out split is taken before the
+cut, so every point holds out the same samples. The draft's vocabulary is counted over its own samples only. So
+a point answers one question: what does a draft trained on this much data accept?
 
 Each draft is measured two ways:
 - the trainer's held-out estimate: acceptance length from its per-step accuracies over its TTT steps, on
@@ -19,12 +23,12 @@ Each draft is measured two ways:
   every point is scored on the same tokens, so the points are paired by prompt.
 
 How to read it. The x axis is reply tokens seen: the assistant tokens of the samples used (the trainer's loss
-positions, `train_data.index_offline`), times the passes. It is on a log scale, so equal steps right are equal
-factors of data. Bars are 95% intervals over prompts. Where a line flattens, more data of this kind stops paying
-at these passes. In curve.json, `vs_largest` gives each point's difference from the largest point, paired by
-prompt, with a simultaneous 95% interval. An interval that holds 0 means that point is not measurably worse. A
-flat line says nothing about more passes, or about other data. The prefixes follow the data's order: data
-written from prompts sorted by source or length gives prefixes that differ in kind as well as in size.
+positions), times the passes. It is on a log scale, so equal steps right are equal factors of data. Bars are 95%
+intervals over prompts. Where a line flattens, more data of this kind stops paying at these passes. In curve.json,
+`vs_largest` gives each point's difference from the largest point, paired by prompt, with a simultaneous 95%
+interval. An interval that holds 0 means that point is not measurably worse. A flat line says nothing about more
+passes, or about other data. The prefixes follow the data's order: data written from prompts sorted by source or
+length gives prefixes that differ in kind as well as in size.
 
 DIR/points/F.json holds each point, written once the point is measured; a rerun skips it. DIR/drafts/F/ holds its
 draft. DIR/curve.json and DIR/curve.png hold all points, and the table is printed. A finished draft whose point
@@ -51,6 +55,7 @@ from eaglewire.data import shards  # noqa: E402
 from eaglewire.data.suites import SUITES  # noqa: E402
 from eaglewire.doctor import paired  # noqa: E402
 from eaglewire.errors import EaglewireError, UsageError  # noqa: E402
+from eaglewire.parallel import Dist  # noqa: E402
 from eaglewire.recipes import RECIPES  # noqa: E402
 from eaglewire.taps import TapContract  # noqa: E402
 from eaglewire.train import data as train_data  # noqa: E402
@@ -64,9 +69,10 @@ FRACTIONS = "0.0625,0.125,0.25,0.5,1"
 SETTINGS = "settings.json"  # what the points in --out were made with
 # Fields the script decides: equal passes (not steps), no clock, and the cut of each point
 FIXED = {"steps": "the points compare equal passes: set epochs", "time_budget_s": "the points train without a clock",
-         "max_train_samples": "each point sets it from --fractions"}
+         "max_train_samples": "each point sets it from --fractions",
+         "regen": "the points train on the replies as given: regenerate them once (`recipe --mode replies`)"}
 REPLY_TOKENS = ("assistant tokens of the training samples used, from index 2 on and within max_len: the positions "
-                "the trainer's loss counts (train_data.index_offline)")
+                "the trainer's loss counts (train_data's loss_tokens, offline or online alike)")
 
 
 def say(msg: str) -> None:
@@ -81,7 +87,10 @@ class Parser(argparse.ArgumentParser):
 def parse(argv=None) -> argparse.Namespace:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--data", required=True, metavar="DATAGEN_DIR", help="an `eaglewire datagen` directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", metavar="DATAGEN_DIR", help="an `eaglewire datagen` directory")
+    src.add_argument("--replies", nargs="+", metavar="FILE",
+                     help="conversation files with replies, trained on online (pooled, repeats dropped)")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--fractions", default=FRACTIONS,
                    help=f"shares of the training split, increasing (default {FRACTIONS})")
@@ -102,8 +111,11 @@ def parse(argv=None) -> argparse.Namespace:
     for name in ("prompts", "new_tokens", "chain"):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 1")
-    if not Path(a.data).is_dir():
+    if a.data is not None and not Path(a.data).is_dir():
         raise UsageError(f"--data {a.data}: no such directory (make one with `eaglewire datagen`)")
+    for f in a.replies or []:
+        if not Path(f).is_file():
+            raise UsageError(f"--replies {f}: no such file (write one with `eaglewire recipe full --mode replies`)")
     return a
 
 
@@ -131,8 +143,8 @@ def settings(a) -> TrainConfig:
         if name in over:
             raise UsageError(f"--set {name}: {why}")
     # num_workers: the recipe's 0 is for online training, where nothing is read from disk
-    base = {**RECIPES["full"].train.to_dict(), "num_workers": None, "device": a.device, "epochs": 1,
-            "time_budget_s": None}
+    base = {**RECIPES["full"].train.to_dict(), "num_workers": 0 if a.replies else None, "device": a.device,
+            "epochs": 1, "time_budget_s": None}
     cfg = TrainConfig.from_dict({**base, **over})
     if cfg.eval_fraction == 0:
         raise UsageError("--set eval_fraction=0: the curve needs a held-out split; give a share in (0, 1)")
@@ -149,11 +161,46 @@ class Plan:
     points: dict  # key -> {"fraction", "train_samples", "reply_tokens", "tokens", "reply_tokens_seen", "steps"}
 
 
-def plan(a, cfg: TrainConfig) -> Plan:
-    lengths, loss_tokens, keys = train_data.index_offline(a.data, cfg.max_len)
+@dataclasses.dataclass
+class Source:
+    """What every point trains on: a datagen directory, or a corpus encoded once from reply files."""
+
+    data: object  # what train() takes
+    contract: TapContract
+    index: tuple  # per sample: lengths, loss tokens, content keys (train_data's)
+
+
+def source(a, cfg: TrainConfig, target) -> Source:
+    if a.data is not None:
+        manifest = shards.read_manifest(a.data)
+        contract = TapContract.from_dict(manifest["contract"])
+        return Source(a.data, contract, train_data.index_offline(a.data, cfg.max_len))
+    n = target.num_layers
+    # the trainer's own choice of taps for online data
+    contract = TapContract(n, cfg.taps) if cfg.taps is not None else TapContract.default(n)
+    say(f"encoding the replies of {len(a.replies)} file(s) ...")
+    corpus = train_data.build_online(target, a.replies, contract, cfg.max_len, None, Dist.setup("cpu"))
+    return Source(corpus, contract, (corpus.lengths, corpus.loss_tokens, corpus.keys))
+
+
+def data_hash(a) -> str:
+    """The data's identity before anything loads: the datagen manifest's hash, or the reply files' bytes."""
+    if a.data is not None:
+        return shards.manifest_hash(shards.read_manifest(a.data))
+    h = hashlib.sha256()
+    for f in a.replies:
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return "replies:" + h.hexdigest()[:16]
+
+
+def plan(src: Source, fractions: list[float], cfg: TrainConfig) -> Plan:
+    lengths, loss_tokens, keys = src.index
     train_idx, eval_idx = train_data.split(keys, cfg.eval_fraction, cfg.seed)
     points, last = {}, 0
-    for f in a.fractions:
+    for f in fractions:
         n = max(1, math.floor(f * len(train_idx) + 0.5))
         if n == last:
             raise UsageError(f"--fractions {key(f)} gives {n} training samples of {len(train_idx)}, as the share "
@@ -172,10 +219,10 @@ def plan(a, cfg: TrainConfig) -> Plan:
     return Plan(len(keys), train_idx, len(eval_idx), points)
 
 
-def identity(a, cfg: TrainConfig, manifest_hash: str) -> dict:
+def identity(a, cfg: TrainConfig, data: str) -> dict:
     """What the points in --out must share with this run (not where they ran, nor which fractions)."""
     train_cfg = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_FIELDS and k != "max_train_samples"}
-    return {"data": manifest_hash, "train": train_cfg, "suites": a.suites, "prompts": a.prompts,
+    return {"data": data, "train": train_cfg, "suites": a.suites, "prompts": a.prompts,
             "new_tokens": a.new_tokens, "chain": a.chain}
 
 
@@ -190,7 +237,7 @@ def check_out(root: Path, want: dict) -> None:
             raise UsageError(f"--out {root}: holds files that are not a data curve's: choose a new or empty directory")
         return
     have = files.read_json(root / SETTINGS, fix="delete it, or choose another --out")
-    flags = {"data": "--data", "suites": "--suites", "prompts": "--prompts", "new_tokens": "--new-tokens",
+    flags = {"data": "--data/--replies", "suites": "--suites", "prompts": "--prompts", "new_tokens": "--new-tokens",
              "chain": "--chain"}
     diffs = [f"{flags[k]}: {have.get(k)} there, {want[k]} here" for k in flags if have.get(k) != want[k]]
     old = have.get("train") or {}
@@ -241,7 +288,7 @@ def measure_point(draft_dir: Path, texts: list, chain: int, device) -> dict:
     return out
 
 
-def run_point(a, cfg: TrainConfig, p: Plan, i: int, fk: str, texts: list, target) -> dict:
+def run_point(a, cfg: TrainConfig, p: Plan, src: Source, i: int, fk: str, texts: list, target) -> dict:
     pt = p.points[fk]
     head = f"point {i}/{len(p.points)} ({fk})"
     out = Path(a.out) / "drafts" / fk
@@ -254,7 +301,7 @@ def run_point(a, cfg: TrainConfig, p: Plan, i: int, fk: str, texts: list, target
         # a resume state is saved only under --set ckpt_every=N; a run killed before one starts afresh
         resume = any((out / n).exists() for n in (train_state.RESUME, train_state.RESUME + ".old"))
         t0 = time.perf_counter()
-        train(dataclasses.replace(cfg, max_train_samples=pt["train_samples"]), target, a.data, out=out,
+        train(dataclasses.replace(cfg, max_train_samples=pt["train_samples"]), target, src.data, out=out,
               resume=resume, progress=False)
         wall = time.perf_counter() - t0
     meta = checkpoint.load_meta(out)
@@ -362,11 +409,13 @@ def device_name(device: str) -> str:
 
 def run(a) -> dict:
     cfg = settings(a)
-    manifest = shards.read_manifest(a.data)
-    want = identity(a, cfg, shards.manifest_hash(manifest))
+    want = identity(a, cfg, data_hash(a))
     root = Path(a.out)
     check_out(root, want)
-    p = plan(a, cfg)
+    # Online, the training target is loaded first: its tokenizer encodes the replies the plan counts
+    target = targets.load_target(a.target, device=a.device) if a.replies else None
+    src = source(a, cfg, target)
+    p = plan(src, a.fractions, cfg)
     # Everything is checked: from here on the run writes
     root.mkdir(parents=True, exist_ok=True)
     if not (root / SETTINGS).is_file():
@@ -376,16 +425,18 @@ def run(a) -> dict:
     say(f"{len(p.points)} points over {len(p.train)} training samples ({p.heldout} held out, the same for every "
         f"point); {len(p.points) - len(todo)} already measured")
     if todo:
-        ref = targets.load_target(a.target, device=a.device, dtype=torch.float32)
-        texts = texts_of(a, ref, TapContract.from_dict(manifest["contract"]))  # once: every point on the same tokens
+        fp32 = target is not None and targets.dtype_of(None, target.device) == torch.float32
+        ref = target if fp32 else targets.load_target(a.target, device=a.device, dtype=torch.float32)
+        texts = texts_of(a, ref, src.contract)  # once: every point on the same tokens
         # Training loads the target in the device's own dtype (as `eaglewire train` does), once for all points
-        target = ref if targets.dtype_of(None, ref.device) == torch.float32 else None
-        del ref  # the fp32 copy is freed before another loads
+        if target is None and targets.dtype_of(None, ref.device) == torch.float32:
+            target = ref
+        del ref  # an fp32 copy of its own is freed before another loads
         if target is None and any(not finished(root / "drafts" / fk) for fk in todo):
             target = targets.load_target(a.target, device=a.device)
         for i, fk in enumerate(p.points, 1):
             if fk in todo:
-                run_point(a, cfg, p, i, fk, texts, target)
+                run_point(a, cfg, p, src, i, fk, texts, target)
             else:
                 say(f"point {i}/{len(p.points)} ({fk}): already measured")
     points = [files.read_json(root / "points" / f"{fk}.json", fix=f"delete it to measure point {fk} again")
@@ -395,7 +446,9 @@ def run(a) -> dict:
         for r in pt["suites"].values():
             r.pop("per_prompt", None)
     curve = {"meta": {"target": a.target, "date": time.strftime("%Y-%m-%d"), "device": device_name(a.device),
-                      "data": {"dir": Path(a.data).name, "manifest_hash": want["data"], "samples": p.samples,
+                      "data": {"mode": "online" if a.replies else "offline",
+                               "source": [Path(f).name for f in a.replies] if a.replies else Path(a.data).name,
+                               "hash": want["data"], "samples": p.samples,
                                "train_split": len(p.train), "heldout_split": p.heldout},
                       "reply_tokens": REPLY_TOKENS,
                       "settings": {"fractions": a.fractions, "suites": a.suites, "prompts": a.prompts,

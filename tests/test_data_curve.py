@@ -1,6 +1,6 @@
 """benchmarks/data_curve.py end to end on a tiny chat target (CPU): nested prefixes of one datagen dataset, each
 trained and replayed on a suite, the curve written; a rerun trains and measures nothing; bad input is refused
-before anything is written."""
+before anything is written. Online (--replies): the same plan as the same file's datagen shards, encoded once."""
 
 import json
 import math
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from chat_target import CONTRACT, conversations_file, make_target
 
-from eaglewire import checkpoint, targets
+from eaglewire import checkpoint, prompts, targets
 from eaglewire.data import shards
-from eaglewire.data.datagen import GenConfig, run_datagen
+from eaglewire.data.datagen import GenConfig, regenerate, run_datagen
+from eaglewire.recipes import write_conversations
 from eaglewire.train import data as train_data
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -172,3 +173,68 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_written(made, done, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "other settings (--set lr: 0.01 there, 0.001 here)" in err[0]
     assert (out / "curve.json").stat().st_mtime_ns == stamp
+
+
+@pytest.fixture(scope="module")
+def online(made):
+    """The target's own replies as `recipe --mode replies` writes them (regenerated.jsonl), and the same file as
+    datagen shards without --regen: what the online plan must count, counted another way."""
+    tgt = targets.load_target(str(made / "target"), device="cpu")
+    convs = prompts.load_pool([made / "convs.jsonl"], need_assistant=False).conversations
+    kept = [c for c in regenerate(tgt, convs, GenConfig(max_new_tokens=24, batch_size=30), 256)
+            if not isinstance(c, prompts.Skip)]
+    path = write_conversations(kept, made / "regenerated.jsonl")
+    run_datagen(tgt, path, made / "replies-data", CONTRACT, max_len=256, dtype="fp32", batch_size=10, progress=False)
+    out = made / "curve-online"
+    with pytest.MonkeyPatch.context() as mp:
+        count = Counted(mp)
+        encoded = []
+        real = data_curve.train_data.build_online
+        mp.setattr(data_curve.train_data, "build_online", lambda *a, **k: encoded.append(1) or real(*a, **k))
+        args = argv(made, out)
+        args[args.index("--data"):args.index("--data") + 2] = ["--replies", str(path)]
+        assert data_curve.main(args) == 0
+    return path, out, count, len(encoded), json.loads((out / "curve.json").read_text()), args
+
+
+def test_online_points_plan_as_the_same_replies_offline_and_train_on_one_encoding(made, online):
+    path, out, count, encoded, curve, _ = online
+    assert curve["meta"]["data"]["mode"] == "online" and curve["meta"]["data"]["source"] == ["regenerated.jsonl"]
+    ds = shards.open_dataset(made / "replies-data")
+    items = [ds[i] for i in range(len(ds))]
+    train_idx, held = train_data.split([train_data.content_key(x["input_ids"]) for x in items], 0.2, 0)
+    pts = curve["points"]
+    n = [p["train_samples"] for p in pts]
+    assert n == [math.floor(f * len(train_idx) + 0.5) for f in (0.25, 0.5, 1)] and count.trained == n
+    assert encoded == 1  # the plan's encoding is the one every point trained on: the trainer encoded nothing
+    for p in pts:
+        assert p["heldout_samples"] == len(held)
+        assert p["reply_tokens"] == sum(int(items[i]["loss_mask"][2:].sum()) for i in train_idx[:p["train_samples"]])
+        meta = checkpoint.load_meta(out / p["draft"])
+        assert meta.training["data"]["mode"] == "online" and meta.training["steps"] == p["steps"]
+        assert meta.metrics["train_samples"] == p["train_samples"] and meta.metrics["eval_samples"] == len(held)
+    # the target's own replies teach the toy draft online too
+    name = str(made / "suite.txt")
+    assert pts[-1]["suites"][name]["acceptance_length"] > 1.5
+    assert pts[0]["heldout"]["acceptance_length"] < pts[-1]["heldout"]["acceptance_length"]
+
+
+def test_online_rerun_trains_nothing_and_other_replies_are_refused(made, online, capsys):
+    path, out, _, _, curve, args = online
+    with pytest.MonkeyPatch.context() as mp:
+        count = Counted(mp)
+        assert data_curve.main(args) == 0
+    assert count.trained == [] and count.texts == 0
+    capsys.readouterr()
+    other = made / "other.jsonl"
+    other.write_text(path.read_text().replace("Words 1?", "Words one?"))
+    bad = list(args)
+    bad[bad.index("--replies") + 1] = str(other)
+    stamp = (out / "curve.json").stat().st_mtime_ns
+    assert data_curve.main(bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other settings (--data/--replies: replies:" in err[0]
+    assert (out / "curve.json").stat().st_mtime_ns == stamp
+    bad[bad.index("--replies") + 1] = str(made / "nope.jsonl")
+    assert data_curve.main(bad) == 2
+    assert capsys.readouterr().err.strip().startswith("data_curve: --replies ")

@@ -136,6 +136,10 @@ def set_up(cfg: TrainConfig, target, data, dist: Dist, progress: bool) -> Setup:
 def _corpus(cfg: TrainConfig, target, data, dist: Dist, progress: bool) -> train_data.Corpus:
     n = target.num_layers
     want = TapContract(n, cfg.taps) if cfg.taps is not None else None
+    if isinstance(data, train_data.Corpus):  # built once by a caller that trains several drafts on it
+        if want is not None and data.contract != want:
+            raise UsageError(f"--taps {list(want.taps)} differ from the corpus's taps {list(data.contract.taps)}")
+        return data
     if isinstance(data, (str, Path)) and Path(data).is_dir():
         if want is not None:
             found = TapContract.from_dict(shards.read_manifest(data)["contract"])
@@ -521,7 +525,8 @@ def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = Fals
           before_loop: Callable[[Setup], float | None] | None = None) -> TrainResult:
     """Train a draft. target: a registry name / model path, or a loaded targets.Target.
 
-    data_or_prompts: a datagen directory (offline) or one or more prompt files (online). Writes the native
+    data_or_prompts: a datagen directory (offline), one or more prompt files (online), or a train.data.Corpus
+    already built from either (several drafts trained on one corpus encode it once). Writes the native
     checkpoint, train_log.jsonl and train_curves.png into `out` (rank 0), and returns its path and
     the held-out metrics. before_loop(setup), if given, runs on every rank once the draft exists and before
     the first step. Its own time counts against cfg.time_budget_s, and the seconds it returns are taken off
