@@ -205,6 +205,54 @@ def test_replies_mode_stops_after_regeneration(target_dir, tmp_path, capsys):
     assert (trained / "regenerated.jsonl").read_text().splitlines() == lines
 
 
+def test_vllm_writes_the_replies_when_asked(target_dir, tmp_path, monkeypatch):
+    """--regen-engine vllm: one RegenJob holding every conversation with the recipe's reply settings, and its
+    replies are the training data. The real vLLM is replaced at its one boundary
+    (engines.vllm.run_job) by eaglewire's own greedy regeneration, so both engines must write the same file."""
+    from eaglewire import targets
+    from eaglewire.engines import vllm as engine
+
+    tgt = targets.load_target(str(target_dir), device="cpu")
+    jobs = []
+
+    def run_job(job, log_path=None):
+        jobs.append(job)
+        gen = dataclasses.replace(recipes.RECIPES["full"].gen, max_new_tokens=job.max_new_tokens,
+                                  temperature=job.temperature, top_p=job.top_p, batch_size=8)
+        convs = datagen.regenerate(tgt, job.conversations, gen, job.max_len)
+        return {"vllm_version": "0.26.0", "conversations": [c if isinstance(c, list) else [] for c in convs]}
+
+    monkeypatch.setattr(engine, "run_job", run_job)
+    monkeypatch.setattr(engine, "require", lambda: None)
+    argv = ["recipe", "full", "--target", str(target_dir), "--prompts", str(sharegpt(tmp_path / "sg.json")),
+            "--device", "cpu", "--max-new-tokens", "10", "--gen-batch-size", "8", "--no-progress",
+            "--bench-suite", "none", "--mode", "replies"]
+    assert cli.main([*argv, "--regen-engine", "vllm", "--out", str(tmp_path / "vllm")]) == 0
+    assert cli.main([*argv, "--out", str(tmp_path / "ours")]) == 0
+    (job,) = jobs
+    report = json.loads((tmp_path / "vllm" / "report.json").read_text())
+    assert isinstance(job, engine.RegenJob) and job.target == str(target_dir) and job.tensor_parallel_size == 1
+    assert (job.max_new_tokens, job.max_len, job.temperature) == (10, recipes.RECIPES["full"].max_len, 0.0)
+    assert job.gpu_memory_utilization == recipes.VLLM_SHARE
+    assert len(job.conversations) == report["prompts"]["used"]
+    regen = report["regenerated"]
+    assert regen["engine"] == "vllm" and regen["batches"][0]["vllm_version"] == "0.26.0"
+    lines = (tmp_path / "vllm" / "regenerated.jsonl").read_text().splitlines()
+    assert len(lines) == regen["conversations"] > 0
+    assert lines == (tmp_path / "ours" / "regenerated.jsonl").read_text().splitlines()
+
+
+def test_vllm_replies_without_vllm_are_one_line_before_anything_is_written(target_dir, tmp_path, monkeypatch,
+                                                                           capsys):
+    from eaglewire.engines import vllm as engine
+
+    monkeypatch.setattr(engine, "available", lambda: False)
+    out = tmp_path / "r"
+    assert cli.main(["recipe", "demo", "--target", str(target_dir), "--regen-engine", "vllm", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'eaglewire[vllm]'" in err[0] and not out.exists()
+
+
 def test_full_recipe_under_torchrun_shares_regeneration_and_trains_with_ddp(target_dir, tmp_path):
     """`torchrun --nproc_per_node 2 -m eaglewire.cli recipe full` on the CPU (gloo): each rank answers
     every other conversation, rank 0 writes the same regenerated.jsonl one process writes, the draft

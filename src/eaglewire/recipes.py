@@ -41,6 +41,8 @@ from .checkpoint import check_pair
 from .data import suites
 from .data import cli as datagen_cli
 from .data import datagen
+from .engines import vllm as vllm_engine
+from .engines import vllm_datagen
 from .errors import EaglewireError, UsageError
 from .parallel import Dist
 from .taps import TapContract
@@ -65,6 +67,7 @@ class Recipe:
     self_prompt_openers: str = "none"  # "tasks": they open with datagen.OPENERS in turn
     dataset_replies: bool = False  # also train on the prompt file's own replies (dataset.jsonl) beside the target's
     gen: datagen.GenConfig  # regeneration of the first user turn's reply
+    regen_engine: str = "eaglewire"  # or "vllm": the real vLLM writes the replies (self-written prompts stay ours)
     max_len: int
     capture_batch: int = 8  # datagen's capture batch
     storage_dtype: str = "bf16"  # datagen's taps dtype
@@ -76,6 +79,10 @@ class Recipe:
     bench_compile: bool = False  # torch.compile the held-out bench (CUDA graphs either way)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+
+# `--regen-engine vllm`: vLLM's share of the GPU. The recipe's own copy of the target stays there beside it, and
+# vLLM refuses to start if the share is more than the memory free.
+VLLM_SHARE = 0.7
 
 # The presets, plain data. Each comment says why its numbers are what they are.
 RECIPES: dict[str, Recipe] = {}
@@ -278,10 +285,17 @@ class _Stages:
 
 
 def _make_out(recipe: Recipe, out: Path, dist: Dist) -> None:
-    """Refuse what cannot run before any work: datagen under torchrun, or an --out that holds files."""
+    """Refuse what cannot run before any work: datagen or vLLM's replies under torchrun, vLLM not installed, or an
+    --out that holds files."""
     if dist.world > 1 and recipe.mode == "datagen":
         raise UsageError(f"recipe {recipe.name} --mode datagen runs on one process: under torchrun use --mode online "
                          "(or run `eaglewire datagen`, then `torchrun ... eaglewire train --data`)")
+    if recipe.regen_engine == "vllm":
+        if dist.world > 1:
+            raise UsageError(f"recipe {recipe.name} --regen-engine vllm runs one vLLM, not one a rank: run `recipe "
+                             f"{recipe.name} --mode replies --regen-engine vllm` on one process, then `torchrun ... "
+                             "eaglewire train --online --prompts OUT/regenerated.jsonl`")
+        vllm_engine.require()
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out}: not empty; a recipe writes into a new or empty directory")
     dist.barrier()  # every rank has looked at --out before rank 0 writes there
@@ -359,12 +373,22 @@ def _replies(recipe: Recipe, tgt, convs: list, own: list, out: Path, dist: Dist,
                   "tokens_per_s": gen_tokens / regen_s if regen_s > 0 else None, "replies": len(replies),
                   "turns": recipe.turns, "max_new_tokens": recipe.gen.max_new_tokens,
                   "batch_size": recipe.gen.batch_size, "batch_tokens": recipe.gen.batch_tokens,
-                  "cache": recipe.gen.cache, "engine": recipe.gen.engine_for(tgt.model, tgt.device),
+                  "cache": recipe.gen.cache, "engine": "vllm" if recipe.regen_engine == "vllm" else
+                  recipe.gen.engine_for(tgt.model, tgt.device),
                   "batches": batches}
 
 
 def _regenerate(recipe: Recipe, tgt, convs: list, dist: Dist, progress: bool) -> tuple[list, list[dict]]:
     """This rank's share of the replies (a prompts.Skip for one that failed), and every rank's batches."""
+    if recipe.regen_engine == "vllm":  # one process (_make_out): vLLM batches every turn itself
+        t0 = time.perf_counter()
+        if progress:
+            print(f"eaglewire recipe {recipe.name}: vLLM writes the replies to {len(convs)} conversations",
+                  file=sys.stderr)
+        regen, version = vllm_datagen.regenerate_replies(str(targets.resolve(tgt.spec)), convs, recipe.gen,
+                                                         recipe.max_len, 1, {"gpu_memory_utilization": VLLM_SHARE})
+        return regen, [{"engine": "vllm", "vllm_version": version, "conversations": len(convs),
+                        "seconds": round(time.perf_counter() - t0, 3)}]
     torch.manual_seed(recipe.gen.seed)
     batches: list[dict] = []
     rank = f" (rank {dist.rank})" if dist.world > 1 else ""
@@ -547,7 +571,8 @@ def _override(recipe: Recipe, args) -> Recipe:
     rec_over = {k: v for k, v in (("max_prompts", args.max_prompts), ("budget_s", args.budget_s),
                                   ("mode", args.mode), ("self_prompts", args.self_prompts),
                                   ("self_prompt_openers", args.self_prompt_openers),
-                                  ("dataset_replies", args.dataset_replies)) if v is not None}
+                                  ("dataset_replies", args.dataset_replies),
+                                  ("regen_engine", args.regen_engine)) if v is not None}
     if rec_over.get("self_prompt_openers") == "tasks" and not rec_over.get("self_prompts", recipe.self_prompts):
         raise UsageError("--self-prompt-openers tasks steers the prompts the target writes: give --self-prompts N too")
     # None is a value here (every turn, no bench), so these two are set apart from the "not given" filter above
@@ -607,6 +632,10 @@ def register(sub) -> None:
                         "on in recipe long")
     p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=None, help="regenerated reply length")
     datagen_cli.add_engine_args(p, defaults=False)
+    p.add_argument("--regen-engine", choices=["eaglewire", "vllm"], default=None,
+                   help="what writes the replies: eaglewire's engine (--gen-engine; default) or the real vLLM "
+                        f"(one process, {VLLM_SHARE:g} of the GPU's memory; pip install 'eaglewire[vllm]'); the "
+                        "prompts the target writes itself are written by eaglewire either way")
     p.add_argument("--mode", choices=["datagen", "online", "replies"], default=None,
                    help="offline shards or online training; replies: stop after writing regenerated.jsonl (to pool "
                         "with other runs' replies and train on later)")

@@ -74,7 +74,7 @@ def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, 
         convs = convs[:max(0, room + room // 10 + 8)]
     if regen and convs:
         say(f"vLLM writes the replies to {len(convs)} conversations")
-        convs = _regenerate(path, convs, gen, max_len, tensor_parallel_size, share)
+        convs, _ = regenerate_replies(path, convs, gen, max_len, tensor_parallel_size, share)
     encoded = _within_room(datagen.encode_chunk(t.tokenizer, convs, cfg), room)
     # one file of vLLM's output per shard: the unit datagen resumes by
     ranges = [(i, min(len(encoded), i + cfg.shard_size)) for i in range(0, len(encoded), cfg.shard_size)]
@@ -96,15 +96,16 @@ def run_vllm_datagen(target: str, prompts_path, out_dir, contract: TapContract, 
     return manifest
 
 
-def _regenerate(path: str, convs: list, gen: datagen.GenConfig, max_len: int, tensor_parallel_size: int,
-                share: dict) -> list:
-    """The conversations with vLLM's replies as their assistant turns; a prompt longer than max_len comes
-    back without one and becomes a Skip."""
+def regenerate_replies(path: str, convs: list, gen: datagen.GenConfig, max_len: int, tensor_parallel_size: int,
+                       share: dict) -> tuple[list, str | None]:
+    """The conversations with vLLM's replies as their assistant turns (a prompt longer than max_len comes
+    back without one and becomes a Skip), and vLLM's version. datagen --regen and `recipe --regen-engine vllm`."""
     job = engine.RegenJob(target=path, conversations=convs, max_new_tokens=gen.max_new_tokens,
                           temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, max_len=max_len,
                           tensor_parallel_size=tensor_parallel_size, **share)
-    return [c if any(m["role"] == "assistant" for m in c) else prompts.Skip("prompt longer than --max-len")
-            for c in engine.run_job(job)["conversations"]]
+    got = engine.run_job(job)
+    return ([c if any(m["role"] == "assistant" for m in c) else prompts.Skip("prompt longer than --max-len")
+             for c in got["conversations"]], got.get("vllm_version"))
 
 
 def _within_room(encoded: list, room: int | None) -> list:
