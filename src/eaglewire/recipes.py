@@ -382,6 +382,8 @@ def _regenerate(recipe: Recipe, tgt, convs: list, dist: Dist, progress: bool) ->
     """This rank's share of the replies (a prompts.Skip for one that failed), and every rank's batches."""
     if recipe.regen_engine == "vllm":  # one process (_make_out): vLLM batches every turn itself
         t0 = time.perf_counter()
+        if torch.cuda.is_available():  # the K/V our engine cached writing prompts: vLLM counts only free memory
+            torch.cuda.empty_cache()
         if progress:
             print(f"eaglewire recipe {recipe.name}: vLLM writes the replies to {len(convs)} conversations",
                   file=sys.stderr)
