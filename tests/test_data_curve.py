@@ -160,7 +160,8 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_written(made, done, capsy
     for more, flag in ((["--fractions", "0.5,0.25"], "--fractions 0.5,0.25: must increase"),
                        (["--fractions", "0,0.5"], "--fractions 0,0.5: each must be in (0, 1]"),
                        (["--suites", "mt-bench,nope"], "--suites nope: not a suite"),
-                       (["--set", "steps=3"], "--set steps: the points compare equal passes")):
+                       (["--set", "steps=3"], "--set steps: the points compare equal passes"),
+                       (["--set", "regen=true"], "--set regen: the points train on the replies as given")):
         assert data_curve.main(argv(made, fresh, *more)) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("data_curve: " + flag), err
