@@ -179,7 +179,12 @@ def source(a, cfg: TrainConfig, target) -> Source:
     # the trainer's own choice of taps for online data
     contract = TapContract(n, cfg.taps) if cfg.taps is not None else TapContract.default(n)
     say(f"encoding the replies of {len(a.replies)} file(s) ...")
-    corpus = train_data.build_online(target, a.replies, contract, cfg.max_len, None, Dist.setup("cpu"))
+    try:
+        corpus = train_data.build_online(target, a.replies, contract, cfg.max_len, None, Dist.setup("cpu"))
+    except UsageError as e:  # prompts.py speaks in `train`'s flags; here the files came as --replies
+        raise UsageError(str(e).replace("--prompts ", "--replies ", 1).replace(
+            "pass --regen to have the target write the replies",
+            "write them with `eaglewire recipe full --mode replies`")) from None
     return Source(corpus, contract, (corpus.lengths, corpus.loss_tokens, corpus.keys))
 
 

@@ -239,3 +239,10 @@ def test_online_rerun_trains_nothing_and_other_replies_are_refused(made, online,
     bad[bad.index("--replies") + 1] = str(made / "nope.jsonl")
     assert data_curve.main(bad) == 2
     assert capsys.readouterr().err.strip().startswith("data_curve: --replies ")
+    # prompts without replies: named as --replies, with the command that writes replies
+    bad[bad.index("--replies") + 1] = str(made / "suite.txt")
+    bad[bad.index("--out") + 1] = str(made / "never-online")
+    assert data_curve.main(bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"data_curve: --replies {made / 'suite.txt'}: no usable conversation") \
+        and "`eaglewire recipe full --mode replies`" in err[-1] and not (made / "never-online").exists()
