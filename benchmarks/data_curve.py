@@ -192,13 +192,8 @@ def data_hash(a) -> str:
     """The data's identity before anything loads: the datagen manifest's hash, or the reply files' bytes."""
     if a.data is not None:
         return shards.manifest_hash(shards.read_manifest(a.data))
-    h = hashlib.sha256()
-    for f in a.replies:
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        h.update(b"\0")
-    return "replies:" + h.hexdigest()[:16]
+    joined = " ".join(files.file_digest(f) for f in a.replies)
+    return "replies:" + hashlib.sha256(joined.encode()).hexdigest()[:16]
 
 
 def plan(src: Source, fractions: list[float], cfg: TrainConfig) -> Plan:
