@@ -172,11 +172,14 @@ def test_static_cache_regeneration_matches_dynamic(llama, monkeypatch):
         regenerate(llama, convs, GenConfig(max_new_tokens=6, batch_size=1, cache="dynamic"), max_len=256)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_slots_engine_regenerates_what_hf_generate_does(llama, tmp_path, monkeypatch, family):
+@pytest.mark.parametrize("family,prefill_tokens", [("llama", None), ("qwen2", None), ("llama", 5)])
+def test_slots_engine_regenerates_what_hf_generate_does(llama, tmp_path, monkeypatch, family, prefill_tokens):
     """batchgen.py (left-padded rows over a slot cache, grouped-query attention; CUDA graphs on a GPU)
-    against transformers' generate, greedy, fp32: the same replies, filler rows and several widths."""
+    against transformers' generate, greedy, fp32: the same replies, filler rows and several widths; and with the
+    prefill in slices of 2 columns (5 tokens over 2 rows), each attending to the slices before it."""
     monkeypatch.setattr(datagen, "STATIC_WIDTH_STEP", 16)
+    if prefill_tokens is not None:
+        monkeypatch.setattr(datagen.batchgen, "PREFILL_TOKENS", prefill_tokens)
     target = llama if family == "llama" else targets.load_target(str(make_target(tmp_path, family)), device="cpu")
     convs = [[{"role": "user", "content": "Hi"}],
              [{"role": "user", "content": "A much longer question, with many more words in it than the others."}],
@@ -216,6 +219,27 @@ def test_slots_step_never_reads_the_device(llama):
 
     gen.inputs["at"].fill_(4)
     make_fx(step)(*[gen.inputs[k] for k in keys])
+
+
+def test_regeneration_batches_fit_the_free_memory(llama, capsys):
+    """The K/V a batch caches is what fills the GPU: kv_bytes_per_token must be what the slot cache really
+    allocates a token, and a --gen-batch-tokens larger than KV_SHARE of the free memory holds is cut to it."""
+    from eaglewire.data.batchgen import BatchGenerator
+
+    gen = BatchGenerator(llama.model, rows=3, width=4, max_new=5, cuda_graphs=False)
+    gen.prefill(torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11], [0, 0, 1, 2]]), torch.tensor([1, 0, 2]))
+    cached = sum(layer.slots.keys.nbytes + layer.slots.values.nbytes for layer in gen.cache.layers)
+    per_token = datagen.kv_bytes_per_token(llama.model)
+    assert per_token == cached // (3 * (4 + 5)) and cached % (3 * 9) == 0
+
+    asked = GenConfig(max_new_tokens=8, batch_size=64, batch_tokens=100_000)
+    roomy = datagen.fit_to_memory(asked, llama.model, free_bytes=10**12)
+    assert roomy is asked and capsys.readouterr().err == ""
+    free = int(4000 * per_token / datagen.KV_SHARE) + 1  # room for 4,000 tokens of K/V
+    cut = datagen.fit_to_memory(asked, llama.model, free_bytes=free)
+    assert cut.batch_tokens == 4000 and "at most 4000 tokens" in capsys.readouterr().err
+    assert max(b.rows * (b.width + 8) for b in datagen.plan_batches([30] * 500, cut, static=False)) <= 4000
+    assert datagen.fit_to_memory(GenConfig(max_new_tokens=8), llama.model, free_bytes=free).batch_tokens == 4000
 
 
 def test_slots_engine_refuses_what_it_cannot_run(llama, monkeypatch):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -119,6 +119,36 @@ class Batch:
     rows: int  # rows generated (>= len(prompts); the rest repeat a prompt and are dropped)
 
 
+# The share of the GPU memory free after the target loaded that a batch's K/V cache may take: the rest holds the
+# prefill's activations (batchgen.PREFILL_TOKENS) and the step's logits, about 3 GB at 2,048 rows of Qwen2.5-1.5B.
+KV_SHARE = 0.6
+
+
+def kv_bytes_per_token(model) -> int:
+    """The K/V cache one token takes across the target's layers, in the model's dtype."""
+    cfg = targets.text_config(model.config)
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return 2 * cfg.num_hidden_layers * kv * head_dim * next(model.parameters()).element_size()
+
+
+def fit_to_memory(gen: GenConfig, model, free_bytes: int) -> GenConfig:
+    """`gen` with batch_tokens cut to what KV_SHARE of `free_bytes` holds (K/V, not activations): a recipe's
+    1.5M tokens fit an H200 for SmolLM2 but not an 80 GB GPU for a 7B target."""
+    fit = max(gen.max_new_tokens + 1, int(KV_SHARE * free_bytes) // kv_bytes_per_token(model))
+    if gen.batch_tokens is not None and gen.batch_tokens <= fit:
+        return gen
+    if gen.batch_tokens is not None and gen.batch_tokens not in _CUT:  # once a process, not once a turn or shard
+        _CUT.add(gen.batch_tokens)
+        print(f"eaglewire: regeneration batches hold at most {fit} tokens, the K/V that {KV_SHARE:.0%} of the "
+              f"{free_bytes / 2**30:.1f} GiB free holds (asked: {gen.batch_tokens or 'no limit'})", file=sys.stderr)
+    return replace(gen, batch_tokens=fit)
+
+
+_CUT: set[int | None] = set()
+
+
 def plan_batches(lengths: list[int], gen: GenConfig, static: bool) -> list[Batch]:
     """Length-sorted batches of at most `batch_size` rows and `batch_tokens` (width + new tokens) x rows."""
     def rows_for(width: int) -> int:
@@ -166,6 +196,8 @@ def generate_ids(target: targets.Target, prompts_ids: list[list[int]], gen: GenC
     kw = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} if gen.temperature > 0 else \
         {"do_sample": False}
     device = torch.device(target.device)
+    if device.type == "cuda":
+        gen = fit_to_memory(gen, model, torch.cuda.mem_get_info(device)[0])
     slots = gen.engine_for(model, device) == "slots"
     if slots and not batchgen.supports(model):
         raise UsageError(f"--gen-engine slots runs {sorted(batchgen.SUPPORTED)} targets (grouped K/V heads), this one "
