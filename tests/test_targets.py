@@ -1,6 +1,7 @@
 """Target specs, fingerprints, and the embedded default target (real SmolLM2-135M-Instruct)."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from eaglewire import targets
 from eaglewire.capture import capture
 from eaglewire.cli import main
-from eaglewire.errors import UsageError
+from eaglewire.errors import EaglewireError, UsageError
 from eaglewire.taps import TapContract
 
 from tiny import tiny_model
@@ -107,6 +108,19 @@ def test_taps_command_usage_error_is_one_line(capsys):
     assert main(["taps", "--target", "no-such-model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a registry name" in err[0]
+
+
+def test_a_gguf_target_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, capsys):
+    """transformers fails deep in its GGUF reader (a bare ImportError without the gguf package, struct.error on a file
+    that is not GGUF): the user gets the file and what to do."""
+    bad = tmp_path / "m.gguf"
+    bad.write_bytes(b"GGUF")  # the magic, then nothing
+    assert main(["taps", "--target", str(bad)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{bad}: transformers cannot read this GGUF file" in err[0]
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+    with pytest.raises(EaglewireError, match=r"m.gguf: loading a GGUF file needs the gguf package.*pip install"):
+        targets.load_target(str(bad), device="cpu")
 
 
 def _part_wheel(dirpath, part, data: bytes):

@@ -9,11 +9,14 @@ from __future__ import annotations
 import copy
 import fcntl
 import hashlib
+import importlib
 import inspect
 import json
 import os
+import struct
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,13 +195,29 @@ def _install(t: EmbeddedTarget, dest: Path, gguf: Path | None) -> Prepared:
 def _load_gguf(path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    try:  # transformers loads GGUF weights through it, and says so only in a traceback
+        importlib.import_module("gguf")
+    except ImportError:
+        raise EaglewireError(f"{path}: loading a GGUF file needs the gguf package, one of eaglewire's dependencies: "
+                             "pip install 'gguf>=0.17'") from None
+    with _readable_gguf(path):
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     # The weights are dequantized: forget the quantizer so the model saves and runs as a plain one.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     return model, tok
+
+
+@contextmanager
+def _readable_gguf(path: Path):
+    """transformers' GGUF reader fails on a file that is not GGUF (struct.error) or holds an architecture it does not
+    map (ValueError): one line naming the file."""
+    try:
+        yield
+    except (struct.error, ValueError) as e:
+        raise EaglewireError(f"{path}: transformers cannot read this GGUF file ({e})") from None
 
 
 @dataclass
@@ -251,7 +270,8 @@ def config_of(spec: str):
 
     path = resolve(spec)
     if path.suffix == ".gguf":
-        return text_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+        with _readable_gguf(path):
+            return text_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
     return text_config(AutoConfig.from_pretrained(path))
 
 
