@@ -179,8 +179,13 @@ def test_full_recipe_trains_online_under_its_budget(target_dir, tmp_path, monkey
     assert pooled == (tmp_path / "full" / "regenerated.jsonl").read_text().splitlines() + own
     assert meta["training"]["data"]["prompts"]["file"] == "training.jsonl"
     assert meta["training"]["data"]["samples"] == len(pooled)
-    with pytest.raises(UsageError, match="not empty"):
+    with pytest.raises(UsageError, match=r"not empty \(bench.json, dataset.jsonl, draft, \.\.\.; a finished recipe\)"):
         recipes.run_recipe(recipe, tmp_path / "full", target=str(target_dir), prompts_path=prompts, device="cpu")
+    (tmp_path / "died").mkdir()
+    (tmp_path / "died" / "prompts.jsonl").write_text("")  # what a recipe that failed in regeneration leaves
+    with pytest.raises(UsageError, match=r"not empty \(prompts.jsonl; no report.json: a recipe that did not finish\)"
+                                         r".*remove it or choose another"):
+        recipes.run_recipe(recipe, tmp_path / "died", target=str(target_dir), prompts_path=prompts, device="cpu")
 
 
 def test_replies_mode_stops_after_regeneration(target_dir, tmp_path, capsys):

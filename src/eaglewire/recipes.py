@@ -297,7 +297,10 @@ def _make_out(recipe: Recipe, out: Path, dist: Dist) -> None:
                              "eaglewire train --online --prompts OUT/regenerated.jsonl`")
         vllm_engine.require()
     if out.exists() and any(out.iterdir()):
-        raise UsageError(f"--out {out}: not empty; a recipe writes into a new or empty directory")
+        held = sorted(p.name for p in out.iterdir())
+        what = "a finished recipe" if "report.json" in held else "no report.json: a recipe that did not finish"
+        raise UsageError(f"--out {out}: not empty ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}; {what}); "
+                         "a recipe writes into a new or empty directory: remove it or choose another")
     dist.barrier()  # every rank has looked at --out before rank 0 writes there
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
