@@ -16,7 +16,9 @@ Job.concurrency). Per c:
   together (at c = 1 also a request's own speed);
 - speed-up = tokens/s with the draft / without, at the same c (one run without the draft serves every chain);
 - acceptance length = 1 + accepted draft tokens / verification steps, from the engine's own counters over the
-  with-draft calls at that c, computed as serve-check computes it.
+  with-draft calls at that c, computed as serve-check computes it;
+- step cost = acceptance length / speed-up: what a step with the draft costs, in steps without it (both runs write
+  the same greedy tokens). The draft pays where the acceptance length exceeds it; 2x needs twice it.
 
 How to read it. A draft spends spare GPU compute to save target steps: at c = 1 a decode step leaves most of the
 GPU idle, and the speed-up there is what a lone user sees. As c grows the batch itself fills the GPU, a verify
@@ -134,6 +136,7 @@ def result(eng, plain_run: dict, spec_runs: dict, concurrency: tuple[int, ...]) 
             rows.append({"chain": k, "c": c, "calls": s["calls"], "tokens_per_s_without": tw, "tokens_per_s_with": ts,
                          "speedup": ts / tw if tw and ts else None,
                          "acceptance_length": acc["acceptance_length"] if acc else None,
+                         "step_cost": acc["acceptance_length"] * tw / ts if acc and tw and ts else None,
                          "rate_by_position": acc["rate_by_position"] if acc else None,
                          "engine_ran_at_most": capped, "without": w, "with": s})
     return {"eaglewire_engine_speed": 2, "engine": eng.name, "engine_label": eng.label,
@@ -151,13 +154,14 @@ def render(r: dict) -> str:
     lines = [f"{E} {r['engine_version']}, {r['target']}, draft {r['draft']['given']} ({r['draft']['how']}): "
              f"{r['suite']['name']}, {s['prompts']} prompts, {s['new_tokens']} new tokens, greedy, chain"
              f"{'s' if sweep else ''} of {', '.join(map(str, ks))}", "",
-             "| " + "chain | " * sweep + "c | tokens/s without | tokens/s with | speed-up | acceptance length |",
-             "|" + "---:|" * sweep + "---:|---:|---:|---:|---:|"]
+             "| " + "chain | " * sweep + "c | tokens/s without | tokens/s with | speed-up | acceptance length | "
+             "step cost |", "|" + "---:|" * sweep + "---:|---:|---:|---:|---:|---:|"]
     for x in r["rows"]:
         lines.append("| " + f"{x['chain']} | " * sweep + f"{x['c']} | {_f(x['tokens_per_s_without'], '.1f')} | "
                      f"{_f(x['tokens_per_s_with'], '.1f')} | {_f(x['speedup'], '.2f')}x | "
-                     f"{_f(x['acceptance_length'], '.2f')} |")
-    notes = []
+                     f"{_f(x['acceptance_length'], '.2f')} | {_f(x['step_cost'], '.2f')} |")
+    notes = ["step cost: a step with the draft in steps without it (acceptance length / speed-up); the draft pays "
+             "where the acceptance length exceeds it, 2x needs twice it"]
     for c in dict.fromkeys(x["c"] for x in r["rows"]):
         measured = [x for x in r["rows"] if x["c"] == c and x["speedup"] is not None]
         if sweep and measured:
@@ -167,7 +171,7 @@ def render(r: dict) -> str:
         capped = [x["engine_ran_at_most"] for x in r["rows"] if x["c"] == c and x["engine_ran_at_most"] is not None]
         if capped:
             notes.append(f"c = {c}: {E} ran at most {min(capped)} requests at once")
-    return "\n".join(lines + [""] * bool(notes) + notes)
+    return "\n".join(lines + [""] + notes)
 
 
 def plot(r: dict, out) -> Path:

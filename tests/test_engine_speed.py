@@ -129,14 +129,18 @@ def test_both_runs_carry_the_sweep_and_the_table_pairs_them(world, monkeypatch, 
         assert x["tokens_per_s_with"] == pytest.approx(20 * NEW / sum(seconds(n, True) for n in calls))
         assert x["speedup"] == pytest.approx(x["tokens_per_s_with"] / x["tokens_per_s_without"])
         assert x["acceptance_length"] == pytest.approx(1 + ACCEPTED)  # from the with-draft counters
+        # a step with the draft against a plain one: what the fake engine charges each, whatever the speed-up says
+        per_step = (0.012 + 0.004 * calls[0]) / (0.010 + 0.001 * calls[0]) if c < 16 else None
+        assert per_step is None or x["step_cost"] == pytest.approx(per_step)
         assert x["rate_by_position"] == pytest.approx([1.0, 1.0, 0.0]) and x["engine_ran_at_most"] is None
     assert rows[1]["speedup"] == pytest.approx(3 * 0.011 / 0.016) and rows[16]["speedup"] < rows[4]["speedup"]
     assert r["engine"] == engine and r["engine_version"] == "fake" and r["settings"]["concurrency"] == [1, 4, 16]
     assert r["machine"]["eaglewire"] and r["draft"]["taps"] == list(TAPS)
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = [ln for ln in out.splitlines() if ln.startswith("|")]
-    assert table[0] == "| c | tokens/s without | tokens/s with | speed-up | acceptance length |" and len(table) == 5
-    assert table[2].startswith("| 1 | ") and table[2].endswith(f"| {rows[1]['speedup']:.2f}x | 3.00 |")
+    assert table[0] == "| c | tokens/s without | tokens/s with | speed-up | acceptance length | step cost |"
+    assert len(table) == 5 and table[2].startswith("| 1 | ")
+    assert table[2].endswith(f"| {rows[1]['speedup']:.2f}x | 3.00 | {0.016 / 0.011:.2f} |")
     assert "engine_speed: " in err and "with the draft" in err  # progress on stderr
 
 
