@@ -242,6 +242,22 @@ def test_regeneration_batches_fit_the_free_memory(llama, capsys):
     assert datagen.fit_to_memory(GenConfig(max_new_tokens=8), llama.model, free_bytes=free).batch_tokens == 4000
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "deepseek_v3", "gemma", "gpt2"])
+def test_kv_bytes_per_token_is_what_each_familys_cache_holds(family):
+    """generate's cache (regeneration off the slots engine) holds rows x tokens x the measure: grouped K/V, a
+    head_dim of its own (Qwen3, Gemma), MLA's latent (DeepSeek-V3), GPT-2's own config names."""
+    from transformers import DynamicCache
+
+    from tiny import tiny_model
+
+    model = tiny_model(family)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (2, 5)), use_cache=True, **{targets.cache_kwarg(model): cache})
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert held == 2 * 5 * datagen.kv_bytes_per_token(model)
+
+
 def test_slots_engine_refuses_what_it_cannot_run(llama, monkeypatch):
     with pytest.raises(EaglewireError, match="--gen-engine must be auto, hf or slots"):
         GenConfig(engine="vllm")

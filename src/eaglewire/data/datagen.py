@@ -124,13 +124,17 @@ class Batch:
 KV_SHARE = 0.6
 
 
+@torch.no_grad()
 def kv_bytes_per_token(model) -> int:
-    """The K/V cache one token takes across the target's layers, in the model's dtype."""
-    cfg = targets.text_config(model.config)
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return 2 * cfg.num_hidden_layers * kv * head_dim * next(model.parameters()).element_size()
+    """The K/V cache one token takes across the target's layers: measured by a one-token forward into the cache
+    transformers makes for it. Read off the config it would be wrong for MLA (DeepSeek-V3, Kimi), whose cache
+    transformers releases lay out differently (full heads, or the compressed latent)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    one = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    model(input_ids=one, use_cache=True, **{targets.cache_kwarg(model): cache})
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
 def fit_to_memory(gen: GenConfig, model, free_bytes: int) -> GenConfig:
