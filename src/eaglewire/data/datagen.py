@@ -146,11 +146,11 @@ def fit_to_memory(gen: GenConfig, model, free_bytes: int) -> GenConfig:
     if gen.batch_tokens is not None and gen.batch_tokens not in _CUT:  # once a process, not once a turn or shard
         _CUT.add(gen.batch_tokens)
         print(f"eaglewire: regeneration batches hold at most {fit} tokens, the K/V that {KV_SHARE:.0%} of the "
-              f"{free_bytes / 2**30:.1f} GiB free holds (asked: {gen.batch_tokens or 'no limit'})", file=sys.stderr)
+              f"{free_bytes / 2**30:.1f} GiB free holds (asked: {gen.batch_tokens})", file=sys.stderr)
     return replace(gen, batch_tokens=fit)
 
 
-_CUT: set[int | None] = set()
+_CUT: set[int] = set()
 
 
 def plan_batches(lengths: list[int], gen: GenConfig, static: bool) -> list[Batch]:
