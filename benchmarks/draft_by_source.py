@@ -37,7 +37,7 @@ from eaglewire.train.ttt import TTTModel, TTTSpec, target_side
 
 
 def unseen_sharegpt(n: int) -> list[list[dict]]:
-    """Human turns that follow a gpt opening: `recipes.first_turns` skips those records."""
+    """Human turns that follow a gpt opening: `prompts.first_turns` skips those records."""
     src = recipes.sharegpt_file()
     out = []
     for _, rec in prompts.iter_records(prompts.read_text(src), src, []):

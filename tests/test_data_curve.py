@@ -13,7 +13,7 @@ from chat_target import CONTRACT, conversations_file, make_target
 from eaglewire import checkpoint, prompts, targets
 from eaglewire.data import shards
 from eaglewire.data.datagen import GenConfig, regenerate, run_datagen
-from eaglewire.recipes import write_conversations
+from eaglewire.prompts import write_conversations
 from eaglewire.train import data as train_data
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -114,9 +114,9 @@ def test_empty_or_missing_file_is_a_usage_error(tmp_path):
 
 
 def test_line_separators_inside_json_strings_do_not_split_records(tmp_path):
-    # ShareGPT replies hold raw U+2028 / U+0085 once written with ensure_ascii=False (recipes.write_conversations):
+    # ShareGPT replies hold raw U+2028 / U+0085 once written with ensure_ascii=False (prompts.write_conversations):
     # str.splitlines cut those records in two and counted both halves "malformed JSON" (49 of 156k in a real pool).
-    from eaglewire.recipes import write_conversations
+    from eaglewire.prompts import write_conversations
     odd = "one\u2028two\x85three\x1cfour\x0cfive"
     convs = [[{"role": "user", "content": odd}, {"role": "assistant", "content": odd}],
              [{"role": "user", "content": "plain"}, {"role": "assistant", "content": "reply"}]]

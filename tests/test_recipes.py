@@ -13,6 +13,7 @@ import torch
 from chat_target import make_target
 
 from eaglewire import cli, recipes
+from eaglewire import prompts as prompt_files
 from eaglewire.checkpoint import load_draft
 from eaglewire.cli import build_parser
 from eaglewire.data import datagen
@@ -51,12 +52,12 @@ def sharegpt(path):
 
 
 def test_first_turns_keeps_conversations_that_open_with_a_user(tmp_path):
-    convs, info = recipes.first_turns(sharegpt(tmp_path / "sg.json"), limit=None)
+    convs, info = prompt_files.first_turns(sharegpt(tmp_path / "sg.json"), limit=None)
     assert convs[0] == [{"role": "user", "content": "Name a color."}]  # cut to the first turn
     assert convs[1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say yes."}]
     assert len(convs) == 26 and info["skipped"] == 2 and info["records"] == 28  # the gpt-first and the empty one
-    assert len(recipes.first_turns(tmp_path / "sg.json", limit=5)[0]) == 5
-    two, _ = recipes.first_turns(tmp_path / "sg.json", limit=None, turns=2)
+    assert len(prompt_files.first_turns(tmp_path / "sg.json", limit=5)[0]) == 5
+    two, _ = prompt_files.first_turns(tmp_path / "sg.json", limit=None, turns=2)
     assert two[0] == [{"role": "user", "content": "Name a color."}, {"role": "user", "content": "Another?"}]
     assert two[2] == [{"role": "user", "content": "Count to 2."}]  # fewer user turns: all of them
 
@@ -64,16 +65,16 @@ def test_first_turns_keeps_conversations_that_open_with_a_user(tmp_path):
 def test_first_turns_with_the_files_own_replies(tmp_path):
     """--dataset-replies: the same conversations with the file's replies, through the last kept user turn's;
     one that answers none of its kept turns is dropped and counted."""
-    convs, info = recipes.first_turns(sharegpt(tmp_path / "sg.json"), limit=None, replies=True)
+    convs, info = prompt_files.first_turns(sharegpt(tmp_path / "sg.json"), limit=None, replies=True)
     assert convs[0] == [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}]
     assert convs[1] == [{"role": "user", "content": "Count to 2."}, {"role": "assistant", "content": "1 2 3"}]
     assert len(convs) == 25 and info["unanswered"] == 1 and info["skipped"] == 2  # "Say yes." has no reply
-    two, _ = recipes.first_turns(tmp_path / "sg.json", limit=None, turns=2, replies=True)
+    two, _ = prompt_files.first_turns(tmp_path / "sg.json", limit=None, turns=2, replies=True)
     assert [m["content"] for m in two[0]] == ["Name a color.", "Blue.", "Another?", "Red."]
-    assert "unanswered" not in recipes.first_turns(tmp_path / "sg.json", limit=None)[1]
+    assert "unanswered" not in prompt_files.first_turns(tmp_path / "sg.json", limit=None)[1]
     with pytest.raises(UsageError, match=r"--dataset-replies: .*demo_prompts.jsonl answers none .* \(40 without a "
                                           r"reply\): it is a prompt list"):
-        recipes.first_turns(recipes.DEMO_PROMPTS, limit=None, replies=True)
+        prompt_files.first_turns(recipes.DEMO_PROMPTS, limit=None, replies=True)
 
 
 def test_first_turns_drops_repeated_conversations(tmp_path):
@@ -84,9 +85,9 @@ def test_first_turns_drops_repeated_conversations(tmp_path):
              {"conversations": [{"from": "human", "value": "Name a color."}, {"from": "gpt", "value": "x"},
                                 {"from": "human", "value": "And a shape?"}]}]
     path.write_text(json.dumps(recs))
-    one, info = recipes.first_turns(path, limit=None)
+    one, info = prompt_files.first_turns(path, limit=None)
     assert len(one) == 26 and info["duplicates"] == 2  # both repeat "Name a color." (spaces aside)
-    two, info = recipes.first_turns(path, limit=None, turns=2)
+    two, info = prompt_files.first_turns(path, limit=None, turns=2)
     assert len(two) == 28 and info["duplicates"] == 0  # with two turns kept, all three differ
     assert two[-1][1] == {"role": "user", "content": "And a shape?"}
 
@@ -304,9 +305,9 @@ def test_turns_must_keep_a_user_turn_or_say_all(tmp_path, capsys):
     assert recipes._override(recipes.RECIPES["full"], recipe_args("full", "--turns", "3")).turns == 3
     every = recipes._override(recipes.RECIPES["long"], recipe_args("long", "--turns", "all"))
     assert every.turns is None and recipes.RECIPES["long"].turns == 3
-    convs, _ = recipes.first_turns(sharegpt(tmp_path / "sg.json"), limit=None, turns=every.turns)
+    convs, _ = prompt_files.first_turns(sharegpt(tmp_path / "sg.json"), limit=None, turns=every.turns)
     assert convs[0] == [{"role": "user", "content": "Name a color."}, {"role": "user", "content": "Another?"}]
-    own, _ = recipes.first_turns(tmp_path / "sg.json", limit=None, turns=None, replies=True)
+    own, _ = prompt_files.first_turns(tmp_path / "sg.json", limit=None, turns=None, replies=True)
     assert [m["content"] for m in own[0]] == ["Name a color.", "Blue.", "Another?", "Red."]
 
 

@@ -272,10 +272,10 @@ def test_real_held_out_suites_bench_on_the_cpu_default(tmp_path, monkeypatch, ca
 def test_the_recipes_leave_the_suites_out_of_real_sharegpt(capsys):
     """ShareGPT's first turns hold 20 of AlpacaEval's prompts (its Vicuna and Koala parts come from ShareGPT):
     the recipes' training conversations keep none of any suite's. Skipped when the registry is unreachable."""
-    from eaglewire import recipes
+    from eaglewire import prompts, recipes
 
     try:
-        convs, info = recipes.first_turns(recipes.sharegpt_file(), None, 3)
+        convs, info = prompts.first_turns(recipes.sharegpt_file(), None, 3)
         held, unread = suites.held_out_prompts()
     except EaglewireError:
         if _registry_reachable():

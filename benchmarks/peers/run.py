@@ -112,7 +112,7 @@ def split(convs: list) -> tuple[list, list]:
 
 def stage_replies(w: Work, a) -> dict:
     from eaglewire.prompts import load_conversations
-    from eaglewire.recipes import write_conversations
+    from eaglewire.prompts import write_conversations
 
     t0 = time.perf_counter()
     if a.conversations_file:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import UsageError
-from .files import file_digest, text_lines
+from .files import atomic_file, file_digest, text_lines
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
          "bing": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
@@ -279,3 +279,73 @@ def load_pool(paths: str | Path | list, need_assistant: bool = True) -> PromptPo
                 convs.append(c)
     repeats = sum(len(s.conversations) for s in sets) - len(convs)
     return PromptPool(sets=sets, conversations=convs, duplicates=repeats)
+
+
+# ---- a recipe's prompts: first turns, and the files' own replies ------------------------------------
+
+def first_turns(path: Path, limit: int | None, turns: int | None = 1,
+                replies: bool = False) -> tuple[list[list[dict]], dict]:
+    """Conversations that open with a user turn (after an optional system message), cut to their first
+    `turns` user turns (None: all); the assistant turns are dropped (the target writes its own). A conversation
+    whose kept turns repeat an earlier one's is dropped. Greedy regeneration would give it the same replies,
+    which would sit on both sides of the held-out split (ShareGPT: ~7% of first turns). `replies`: keep the
+    file's own replies instead, through the last kept user turn's (a conversation without one is dropped): the
+    dataset's text to train on beside the target's."""
+    text, notes = read_text(path), []
+    convs, seen, skipped, duplicates, keys, unanswered = [], 0, 0, 0, set(), 0
+    for _, rec in iter_records(text, path, notes):
+        seen += 1
+        try:
+            if isinstance(rec, Skip):
+                raise rec
+            msgs = to_messages(rec)
+            body = [m for m in msgs if m["role"] != "system"]
+            if not body or body[0]["role"] != "user":
+                raise Skip("does not open with a user turn")
+            conv = normalise(msgs, need_assistant=False)
+        except Skip:
+            skipped += 1
+            continue
+        system = [m for m in conv[:1] if m["role"] == "system"]
+        kept = _with_replies(conv, turns) if replies else system + [m for m in conv if m["role"] == "user"][:turns]
+        if kept is None:
+            unanswered += 1
+            continue
+        key = tuple((m["role"], m["content"].strip()) for m in kept)
+        if key in keys:
+            duplicates += 1
+            continue
+        keys.add(key)
+        convs.append(kept)
+        if limit is not None and len(convs) >= limit:
+            break
+    if not convs and unanswered:
+        raise UsageError(f"--dataset-replies: {path} answers none of its conversations' user turns ({unanswered} "
+                         "without a reply): it is a prompt list; leave out --dataset-replies")
+    if not convs:
+        raise UsageError(f"--prompts {path}: no conversation opens with a user turn ({seen} records)")
+    info = {"file": path.name, "records": seen, "used": len(convs), "skipped": skipped, "duplicates": duplicates,
+            "notes": notes}
+    return convs, {**info, "unanswered": unanswered} if replies else info
+
+
+def _with_replies(conv: list[dict], turns: int) -> list[dict] | None:
+    """conv (normalised: user and assistant alternate) through the reply to its `turns`-th user turn, or to
+    the last user turn it answers; None if it answers none."""
+    out, users = [], 0
+    for m in conv:
+        if m["role"] == "user":
+            if users == turns:
+                break
+            users += 1
+        out.append(m)
+    while out and out[-1]["role"] != "assistant":
+        out.pop()
+    return out or None
+
+
+def write_conversations(convs: list[list[dict]], path: Path) -> Path:
+    with atomic_file(path, "w") as f:
+        for c in convs:
+            f.write(json.dumps({"messages": c}, ensure_ascii=False) + "\n")
+    return path

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tempfile
 import time
@@ -135,67 +134,6 @@ def sharegpt_file() -> Path:
                           otherwise="or pass --prompts FILE")
 
 
-def first_turns(path: Path, limit: int | None, turns: int | None = 1,
-                replies: bool = False) -> tuple[list[list[dict]], dict]:
-    """Conversations that open with a user turn (after an optional system message), cut to their first
-    `turns` user turns (None: all); the assistant turns are dropped (the target writes its own). A conversation
-    whose kept turns repeat an earlier one's is dropped. Greedy regeneration would give it the same replies,
-    which would sit on both sides of the held-out split (ShareGPT: ~7% of first turns). `replies`: keep the
-    file's own replies instead, through the last kept user turn's (a conversation without one is dropped): the
-    dataset's text to train on beside the target's."""
-    text, notes = prompts.read_text(path), []
-    convs, seen, skipped, duplicates, keys, unanswered = [], 0, 0, 0, set(), 0
-    for _, rec in prompts.iter_records(text, path, notes):
-        seen += 1
-        try:
-            if isinstance(rec, prompts.Skip):
-                raise rec
-            msgs = prompts.to_messages(rec)
-            body = [m for m in msgs if m["role"] != "system"]
-            if not body or body[0]["role"] != "user":
-                raise prompts.Skip("does not open with a user turn")
-            conv = prompts.normalise(msgs, need_assistant=False)
-        except prompts.Skip:
-            skipped += 1
-            continue
-        system = [m for m in conv[:1] if m["role"] == "system"]
-        kept = _with_replies(conv, turns) if replies else system + [m for m in conv if m["role"] == "user"][:turns]
-        if kept is None:
-            unanswered += 1
-            continue
-        key = tuple((m["role"], m["content"].strip()) for m in kept)
-        if key in keys:
-            duplicates += 1
-            continue
-        keys.add(key)
-        convs.append(kept)
-        if limit is not None and len(convs) >= limit:
-            break
-    if not convs and unanswered:
-        raise UsageError(f"--dataset-replies: {path} answers none of its conversations' user turns ({unanswered} "
-                         "without a reply): it is a prompt list; leave out --dataset-replies")
-    if not convs:
-        raise UsageError(f"--prompts {path}: no conversation opens with a user turn ({seen} records)")
-    info = {"file": path.name, "records": seen, "used": len(convs), "skipped": skipped, "duplicates": duplicates,
-            "notes": notes}
-    return convs, {**info, "unanswered": unanswered} if replies else info
-
-
-def _with_replies(conv: list[dict], turns: int) -> list[dict] | None:
-    """conv (normalised: user and assistant alternate) through the reply to its `turns`-th user turn, or to
-    the last user turn it answers; None if it answers none."""
-    out, users = [], 0
-    for m in conv:
-        if m["role"] == "user":
-            if users == turns:
-                break
-            users += 1
-        out.append(m)
-    while out and out[-1]["role"] != "assistant":
-        out.pop()
-    return out or None
-
-
 def _held_out(convs, own, prompt_info: dict, name: str, say: bool) -> tuple[list, list]:
     """The training conversations without any that holds a benchmark suite's prompt (ShareGPT holds 20 of
     AlpacaEval's first turns), so that `bench` on those suites measures prompts the draft never saw."""
@@ -210,13 +148,6 @@ def _held_out(convs, own, prompt_info: dict, name: str, say: bool) -> tuple[list
               f"training ({', '.join(f'{k} {v}' for k, v in caught.items()) or 'none'})"
               + (f"; not checked against {', '.join(unread)} (not readable here)" if unread else ""), file=sys.stderr)
     return convs, own
-
-
-def write_conversations(convs: list[list[dict]], path: Path) -> Path:
-    with files.atomic_file(path, "w") as f:
-        for c in convs:
-            f.write(json.dumps({"messages": c}, ensure_ascii=False) + "\n")
-    return path
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -322,21 +253,21 @@ def _prompts(recipe: Recipe, tgt, prompts_path, out: Path, dist: Dist) -> tuple[
     """The conversations to answer (the prompt file's, then any the target writes), the file's own replies
     when the recipe trains on them too, and what was kept; written to prompts.jsonl and dataset.jsonl."""
     src = Path(prompts_path) if prompts_path else (DEMO_PROMPTS if recipe.name == "demo" else sharegpt_file())
-    convs, prompt_info = first_turns(src, recipe.max_prompts, recipe.turns)
+    convs, prompt_info = prompts.first_turns(src, recipe.max_prompts, recipe.turns)
     if recipe.self_prompts:
         convs += _self_written(recipe, tgt, convs, dist, prompt_info)
     own: list[list[dict]] = []
     if recipe.dataset_replies:
-        own, info = first_turns(src, recipe.max_prompts, recipe.turns, replies=True)
+        own, info = prompts.first_turns(src, recipe.max_prompts, recipe.turns, replies=True)
     if recipe.name != "demo":  # the demo's shipped prompts are not a benchmark's
         convs, own = _held_out(convs, own, prompt_info, recipe.name, dist.main)
     if recipe.dataset_replies:
         prompt_info["dataset_replies"] = {"conversations": len(own), "unanswered": info["unanswered"],
                                           "replies": sum(m["role"] == "assistant" for c in own for m in c)}
     if dist.main:
-        write_conversations(convs, out / "prompts.jsonl")
+        prompts.write_conversations(convs, out / "prompts.jsonl")
         if own:
-            write_conversations(own, out / "dataset.jsonl")
+            prompts.write_conversations(own, out / "dataset.jsonl")
     return convs, own, prompt_info
 
 
@@ -365,9 +296,9 @@ def _replies(recipe: Recipe, tgt, convs: list, own: list, out: Path, dist: Dist,
         raise EaglewireError(f"recipe {recipe.name}: the target produced no usable reply")
     data = out / ("training.jsonl" if own else "regenerated.jsonl")  # what the draft trains on
     if dist.main:
-        write_conversations(kept, out / "regenerated.jsonl")
+        prompts.write_conversations(kept, out / "regenerated.jsonl")
         if own:  # the target's replies and the file's own, pooled
-            write_conversations(kept + own, data)
+            prompts.write_conversations(kept + own, data)
     dist.barrier()  # the training data is on disk before any rank reads it
     replies = [m["content"] for c in kept for m in c if m["role"] == "assistant"]
     gen_tokens = sum(map(len, tgt.tokenizer(replies, add_special_tokens=False)["input_ids"]))
