@@ -298,7 +298,7 @@ def test_resume_after_kill_9_ends_bitwise_identical(target_dir, data, root, caps
 
 
 DIST = """
-import os, sys, torch
+import gc, os, sys, torch
 import torch.distributed as dist
 torch.set_num_threads(1)
 from eaglewire.train.trainer import train
@@ -308,6 +308,8 @@ dist.init_process_group("gloo")
 for mode in ("ddp", "fsdp"):
     cfg = TrainConfig(steps=4, grad_accum=1, ckpt_every=2, fsdp=mode == "fsdp", **{FAST})
     train(cfg, sys.argv[1], sys.argv[2], out=os.path.join(sys.argv[3], mode), progress=False)
+dist.barrier()  # as parallel.Dist.close does: no rank shuts its gloo pairs while the other still reads from them
+gc.collect()
 dist.destroy_process_group()
 """
 

@@ -9,6 +9,7 @@ any world size.
 
 from __future__ import annotations
 
+import gc
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -82,9 +83,15 @@ class Dist:
             import torch.distributed as dist
             dist.barrier()
 
-    def close(self) -> None:
+    def close(self, ok: bool) -> None:
+        """Destroy the process group made here. After a run that finished on every rank, first a barrier (no rank
+        shuts its gloo pairs while a peer still reads from them: that peer aborts) and a collection of the
+        wrapped modules that still hold the group."""
         if self.own:
             import torch.distributed as dist
+            if ok:
+                dist.barrier()
+                gc.collect()
             dist.destroy_process_group()
 
 

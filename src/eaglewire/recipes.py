@@ -161,15 +161,17 @@ def run_recipe(recipe: Recipe, out: str | Path, target: str | targets.Target = t
         raise UsageError(f"recipe {recipe.name} is meant for a GPU and none is visible; pass --device cpu to run it "
                          "here anyway (slowly)")
     dist = Dist.setup(dev)
-    made = not Path(out).exists()
+    made, ok = not Path(out).exists(), False
     try:
-        return _run(recipe, Path(out), target, prompts_path, dist, progress, t0)
+        report = _run(recipe, Path(out), target, prompts_path, dist, progress, t0)
+        ok = True
+        return report
     except BaseException:
         if made and dist.main and Path(out).is_dir() and not any(Path(out).iterdir()):
             Path(out).rmdir()  # a run refused before it wrote anything leaves no directory behind
         raise
     finally:
-        dist.close()
+        dist.close(ok)
 
 
 def _run(recipe: Recipe, out: Path, target, prompts_path, dist: Dist, progress: bool, t0: float) -> dict:

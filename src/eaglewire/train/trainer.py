@@ -533,7 +533,7 @@ def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = Fals
     that budget: work the caller will do after training, measured now.
     """
     t_start = time.perf_counter()  # the time budget counts setup (loading, regeneration) too
-    dist, out, trainer = Dist.setup(cfg.device), Path(out), None
+    dist, out, trainer, ok = Dist.setup(cfg.device), Path(out), None, False
     created = not out.exists()
     try:
         status = train_state.out_status(out, resume)
@@ -541,16 +541,19 @@ def train(cfg: TrainConfig, target, data_or_prompts, *, out, resume: bool = Fals
         if status == "done":  # only the finished draft to report: nothing to load or train
             meta = checkpoint.load_meta(out)
             print(f"eaglewire train: {out} already holds the finished draft", file=sys.stderr)
+            ok = True
             return TrainResult(out, meta.metrics or {})
         setup = set_up(cfg, target, data_or_prompts, dist, progress)
         after = before_loop(setup) if before_loop is not None else None
         if after and cfg.time_budget_s is not None:
             cfg = dataclasses.replace(cfg, time_budget_s=max(cfg.time_budget_s - after, 1.0))
         trainer = Trainer(setup, cfg, out, status, progress, dist, t_start)
-        return trainer.run()
+        result = trainer.run()
+        ok = True
+        return result
     except BaseException:
         if trainer is not None and trainer.status == "fresh" and dist.main:
             train_state.discard(out, created)  # a run that saved nothing leaves nothing behind
         raise
     finally:
-        dist.close()
+        dist.close(ok)
