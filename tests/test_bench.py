@@ -326,7 +326,8 @@ def test_bad_inputs_are_one_line_errors(shift, random_pair, prompt_file, tmp_pat
         (["--suite", prompt_file, "--tree", "--chain", "3"], "exclude each other"),
         (["--suite", prompt_file, "--shapes", "chain:3,tree:2x2"], "'tree:2x2' is neither chain:K nor tree:"),
         (["--suite", prompt_file, "--shapes", "chain:3,chain:3"], "chain:3 is listed twice"),
-        (["--suite", prompt_file, "--shapes", "chain:0"], "--chain must be >= 1"),
+        (["--suite", prompt_file, "--shapes", "chain:0"], "--shapes: chain:0 holds a 0"),
+        (["--suite", prompt_file, "--shapes", "chain:3,tree:2x0x4"], "--shapes: tree:2x0x4 holds a 0"),
         (["--suite", prompt_file, "--shapes", "chain:3", "--chain", "3"], "leave out --chain and --tree"),
     ]
     for extra, msg in cases:

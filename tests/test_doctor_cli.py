@@ -54,6 +54,18 @@ def test_usage_errors_exit_2(fixtures, capsys):
     assert "--probe" in capsys.readouterr().err
 
 
+def test_the_draft_path_is_checked_before_the_target_loads(fixtures, capsys):
+    """A mistyped --draft fails at once, naming --draft, not after the target's load (minutes for a large one)
+    or with the target's own error."""
+    capsys.readouterr()
+    assert main(["doctor", "--draft", str(fixtures / "nowhere"), "--target", "no-such-target"]) == 2
+    assert capsys.readouterr().err.strip().endswith("no such directory")
+    weights = next((fixtures / "sg").glob("*.safetensors"))
+    assert main(["doctor", "--draft", str(weights), "--target", "no-such-target"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"a file; pass the directory that holds it ({fixtures / 'sg'})" in err[0]
+
+
 def test_a_layer_count_of_the_wrong_type_is_a_finding_not_a_traceback(fixtures, tmp_path, capsys):
     # SGLang's reading of the draft's layers (interop.sglang._params) used to int() it and crash the doctor
     import shutil

@@ -42,6 +42,9 @@ def parse_shapes(text: str) -> list[dict]:
                              "(e.g. --shapes chain:4,chain:7,tree:6x8x63)")
         shape = {"mode": "chain", "chain": int(m[1])} if m[1] else \
             {"mode": "tree", "depth": int(m[2]), "topk": int(m[3]), "budget": int(m[4])}
+        if 0 in shape.values():
+            raise UsageError(f"--shapes: {item} holds a 0; a chain's length and a tree's depth, top-k and budget "
+                             "are each at least 1")
         if shape in shapes:
             raise UsageError(f"--shapes: {item} is listed twice")
         shapes.append(shape)

@@ -17,7 +17,7 @@ from . import probe_inputs as probe_data
 from . import static, taps_checks
 from .context import Context, contract_ids_remedy, engine_name
 from .findings import Finding, finding
-from .subject import TargetFacts, load_subject, load_target
+from .subject import TargetFacts, draft_dir, load_subject, load_target
 
 ENGINES = eargs.ENGINES
 
@@ -106,6 +106,7 @@ class DoctorRequest:
 def diagnose(req: DoctorRequest) -> Report:
     """Every static check, then (req.probe > 0, needs a target) the measurement."""
     target, engine = req.target, req.engine
+    draft_dir(req.draft)
     if isinstance(target, TargetFacts):  # a fingerprint only (API): no weights to compare or run
         tf, facts_given = None, target
     else:

@@ -112,11 +112,19 @@ def _build(config: DraftConfig, contract: TapContract, kind: str, dd: DraftDir, 
     return build_draft(reading, embedding=embedding)
 
 
-def load_subject(path, *, source: str | None, target: TargetFacts | None, engine_version: str | None,
-                 records: str | None = None) -> Subject:
+def draft_dir(path) -> Path:
+    """--draft as a directory, or a one-line error: checked before the target loads (seconds to minutes)."""
     p = Path(path)
+    if p.is_file():
+        raise UsageError(f"--draft {p}: a file; pass the directory that holds it ({p.parent})")
     if not p.is_dir():
         raise UsageError(f"--draft {p}: no such directory")
+    return p
+
+
+def load_subject(path, *, source: str | None, target: TargetFacts | None, engine_version: str | None,
+                 records: str | None = None) -> Subject:
+    p = draft_dir(path)
     dd = read_dir(p)  # UsageError for an unreadable directory: nothing to examine
     cfg = dd.config
     block = cfg.get(PROVENANCE_KEY) if isinstance(cfg.get(PROVENANCE_KEY), dict) else None
