@@ -71,6 +71,27 @@ def test_a_one_row_step_is_two_matmuls_not_a_fused_kernel(monkeypatch, additive)
     torch.testing.assert_close(grouped, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("additive", [True, False])
+def test_a_one_row_step_of_many_rows_goes_to_sdpa_from_sdpa_min_heads(monkeypatch, additive):
+    """Regeneration's step (benchmarks/regen_step.py's sdpa arm): from SDPA_MIN_HEADS rows x K/V heads a one-row
+    step is scaled_dot_product_attention over the grouped rows, each row under its own mask, equal to the
+    matmuls; below it, matmuls still."""
+    q, k, v, mask = inputs(1, heads=6, kv_heads=2, additive=additive, b=3)
+    want = attention.grouped_attention(q, k, v, mask)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(a[0].shape) or sdpa(*a, **kw))
+    monkeypatch.setattr(attention, "SDPA_MIN_HEADS", 7)  # 3 rows x 2 K/V heads = 6: below
+    torch.testing.assert_close(attention.grouped_attention(q, k, v, mask), want, rtol=0, atol=0)
+    assert not calls
+    monkeypatch.setattr(attention, "SDPA_MIN_HEADS", 6)
+    got = attention.grouped_attention(q, k, v, mask)
+    assert calls == [(3, 2, 3, 16)]  # the 3 query heads of each K/V head as its rows, K/V not repeated
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(attention.grouped_attention(q, k, v, attention.rows_mask(mask, 3)), want, rtol=1e-6,
+                               atol=1e-6)  # the mask as the runners pass it
+
+
 @pytest.mark.parametrize("t", [2, 8])
 def test_verifies_up_to_matmul_max_rows_are_matmuls_too(monkeypatch, t):
     """`decode_steps.py --attention matmul`: verify rows spelt as two matmuls and a softmax, each row with its

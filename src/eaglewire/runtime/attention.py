@@ -29,6 +29,11 @@ ROWS_MASK = "eaglewire_rows_mask"  # a forward's kwarg: its mask repeated for th
 # only. On a GPU an 8-row verify's cuDNN attention is a few microseconds a layer, plus a memset, a layout copy
 # and its mask's kernel. `decode_steps.py --attention default,matmul` times multi-row verifies spelt as matmuls.
 MATMUL_MAX_ROWS = 1
+# Batch x K/V heads from which even a one-row step goes to sdpa. Matmuls win at batch 1, where a fused kernel has
+# too few query rows to split; regeneration steps thousands of rows at once, and its matmuls read each K head in
+# fp32 (a copy twice the size of the bf16 cache, every layer). None: matmuls at every batch, as measured so far;
+# `benchmarks/regen_step.py --attention matmul,sdpa` times regeneration's step both ways.
+SDPA_MIN_HEADS: int | None = None
 
 
 def rows_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
@@ -47,11 +52,11 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     b, hq, t, d = query.shape
     g = hq // key.shape[1]
     rows = query.reshape(b, key.shape[1], g * t, d)
-    if t == 1:  # every grouped row is the one row: its mask is the first
-        out = matmul_attention(rows, key, value, mask[:, :, :1], d ** -0.5 if scale is None else scale)
-        return out.reshape(b, hq, t, value.shape[-1])
-    mask = mask if mask.shape[2] == g * t else rows_mask(mask, g)
-    if t <= MATMUL_MAX_ROWS:
+    if t == 1:  # every grouped row is the one row: its mask is the first, broadcast
+        mask = mask[:, :, :1]
+    elif mask.shape[2] != g * t:
+        mask = rows_mask(mask, g)
+    if t <= MATMUL_MAX_ROWS and (SDPA_MIN_HEADS is None or b * key.shape[1] < SDPA_MIN_HEADS):
         out = matmul_attention(rows, key, value, mask, d ** -0.5 if scale is None else scale)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale)
