@@ -62,3 +62,23 @@ def test_one_process_device(monkeypatch):
     for name, msg in (("gpu", "--device gpu: not a device torch knows"), ("cuda:1", "CUDA is not available")):
         with pytest.raises(UsageError, match=msg):
             Dist.setup(name)
+
+
+@pytest.mark.parametrize("backend, ok, want", [
+    ("gloo", True, ["barrier", "gc", "destroy"]),  # no rank shuts its pairs while a peer still reads (CI's SIGABRT)
+    ("gloo", False, ["destroy"]),  # a rank that raised: a barrier would wait on it
+    ("nccl", True, ["destroy"]),  # rank 0 may bench alone for longer than NCCL's barrier waits
+])
+def test_closing_waits_for_every_rank_on_gloo_after_a_finished_run(monkeypatch, backend, ok, want):
+    import gc
+
+    calls = []
+    monkeypatch.setattr(dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(gc, "collect", lambda: calls.append("gc"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    Dist(0, 2, torch.device("cpu"), own=True).close(ok)
+    assert calls == want
+    calls.clear()
+    Dist(0, 2, torch.device("cpu"), own=False).close(ok)  # a group the caller made is the caller's to close
+    assert calls == []

@@ -84,12 +84,13 @@ class Dist:
             dist.barrier()
 
     def close(self, ok: bool) -> None:
-        """Destroy the process group made here. After a run that finished on every rank, first a barrier (no rank
-        shuts its gloo pairs while a peer still reads from them: that peer aborts) and a collection of the
-        wrapped modules that still hold the group."""
+        """Destroy the process group made here. On gloo, after a run that finished on every rank, first a barrier
+        (no rank shuts its pairs while a peer still reads from them: that peer aborts) and a collection of the
+        wrapped modules that still hold the group. Not on NCCL: rank 0 may still be benching alone, for longer
+        than NCCL's barrier waits."""
         if self.own:
             import torch.distributed as dist
-            if ok:
+            if ok and dist.get_backend() == "gloo":
                 dist.barrier()
                 gc.collect()
             dist.destroy_process_group()
