@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from eaglewire import targets
 from eaglewire.bench.report import machine_info
+from eaglewire.bench.run import timed
 from eaglewire.data import batchgen
 from eaglewire.errors import UsageError
 from eaglewire.runtime import attention
@@ -38,29 +38,19 @@ def prompts(rows: int, width: int, vocab: int, seed: int = 0) -> tuple[torch.Ten
     return ids, width - lengths
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_arm(model, arm: str, rows: int, width: int, steps: int, warmup: int, device: torch.device) -> dict:
     attention.SDPA_MIN_HEADS = ARMS[arm]
     try:
         ids, pad = prompts(rows, width, model.config.vocab_size)
         ids, pad = ids.to(device), pad.to(device)
         gen = batchgen.BatchGenerator(model, rows, width, warmup + steps, cuda_graphs=device.type == "cuda")
-        tok = gen.prefill(ids, pad).argmax(-1)
-        out = [tok]
-        for t in range(warmup):
-            tok = gen.step(tok, t).argmax(-1)
-            out.append(tok)
-        sync(device)
-        t0 = time.perf_counter()
-        for t in range(warmup, warmup + steps):
-            tok = gen.step(tok, t).argmax(-1)
-            out.append(tok)
-        sync(device)
-        seconds = time.perf_counter() - t0
+        out = [gen.prefill(ids, pad).argmax(-1)]
+
+        def advance(start: int, stop: int) -> None:
+            for t in range(start, stop):
+                out.append(gen.step(out[-1], t).argmax(-1))
+        advance(0, warmup)
+        _, seconds = timed(lambda: advance(warmup, warmup + steps), device)
     finally:
         attention.SDPA_MIN_HEADS = None
     ms = 1e3 * seconds / steps

@@ -106,12 +106,12 @@ class DoctorRequest:
 def diagnose(req: DoctorRequest) -> Report:
     """Every static check, then (req.probe > 0, needs a target) the measurement."""
     target, engine = req.target, req.engine
-    draft_dir(req.draft)
+    draft = draft_dir(req.draft)
     if isinstance(target, TargetFacts):  # a fingerprint only (API): no weights to compare or run
         tf, facts_given = None, target
     else:
         tf, facts_given = (load_target(target, req.device) if target is not None else None), None
-    s = load_subject(req.draft, source=req.source, target=tf or facts_given, engine_version=req.engine_version,
+    s = load_subject(draft, source=req.source, target=tf or facts_given, engine_version=req.engine_version,
                      records=req.records)
     facts = tf or facts_given or TargetFacts(fingerprint={**({"num_layers": s.contract.num_layers} if s.contract else {}),
                                            **s.recorded_target})

@@ -124,7 +124,7 @@ def draft_dir(path) -> Path:
 
 def load_subject(path, *, source: str | None, target: TargetFacts | None, engine_version: str | None,
                  records: str | None = None) -> Subject:
-    p = draft_dir(path)
+    p = Path(path)  # diagnose checked it (draft_dir) before loading the target
     dd = read_dir(p)  # UsageError for an unreadable directory: nothing to examine
     cfg = dd.config
     block = cfg.get(PROVENANCE_KEY) if isinstance(cfg.get(PROVENANCE_KEY), dict) else None
